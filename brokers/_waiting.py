@@ -1,0 +1,23 @@
+"""Sleeping until a deadline or an event, whichever comes first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+async def wait_any(timeout: float, *events: asyncio.Event) -> None:  # noqa: ASYNC109
+    """Return when any event is set or ``timeout`` seconds passed.
+
+    Callers clear the wake-up events they own; a stop event is left set.
+    """
+    if timeout <= 0 or any(e.is_set() for e in events):
+        return
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w

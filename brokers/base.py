@@ -1,0 +1,168 @@
+"""The seam every backend implements, and the record of what it can do.
+
+A backend moves :class:`~duebox.message.JobMessage` envelopes from the relay
+to workers.  It is a delivery path, never the source of truth: the job table
+is.  Each backend states its semantics as data in :class:`Capabilities`; the
+relay and the worker read them instead of special-casing backends, and the
+shared contract suite checks each backend against what it declares.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlsplit
+
+from duebox.clock import Clock
+from duebox.errors import ConfigurationError, MessageDecodeError
+from duebox.message import JobMessage
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from duebox.config import Settings
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees, stated as data.
+
+    ``max_delay``: longest native delay in seconds (``None``: unbounded, 0:
+    none — the relay holds near-due jobs and publishes each at its due time).
+    ``delay_precision``: the granularity of that delay; the relay rounds up to
+    it so nothing becomes visible early.  ``direct_claim``: workers claim due
+    rows from the job table themselves and the relay publishes nothing.
+    """
+
+    name: str
+    max_delay: float | None
+    delay_precision: float
+    cancel: bool
+    ordering: str
+    durability: str
+    payload_limit: int | None
+    redelivers_unacked: bool
+    in_flight_after_cancel: str
+    direct_claim: bool = False
+
+
+@dataclass(frozen=True)
+class BrokerContext:
+    """What a backend may use from the application around it."""
+
+    engine: Engine
+    clock: Clock
+    settings: Settings
+    worker_name: str = "worker"
+
+
+@dataclass
+class Delivery:
+    """One message handed to a worker.  ``claimed`` is set by backends that
+    lease the job row themselves (``sql://``); otherwise the worker starts the
+    job with a version-checked update."""
+
+    message: JobMessage | None
+    raw: Any = None
+    claimed: Any = None
+    redelivered: bool = False
+    decode_error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def delivery_from_body(body: bytes | str, raw: Any = None, **kw: Any) -> Delivery:
+    """Decode at the boundary: garbage becomes a delivery the worker rejects
+    with the reason, never an exception that stops consumption."""
+    try:
+        return Delivery(message=JobMessage.decode(body), raw=raw, **kw)
+    except MessageDecodeError as exc:
+        return Delivery(message=None, raw=raw, decode_error=str(exc), **kw)
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    job_id: Any
+    ok: bool
+    broker_message_id: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A message and the delay (seconds, already clipped and rounded) to give it."""
+
+    message: JobMessage
+    delay: float
+
+
+class Broker(abc.ABC):
+    """A delivery path.  Implementations are async and safe to use from one loop."""
+
+    capabilities: Capabilities
+
+    def __init__(self, url: str, context: BrokerContext) -> None:
+        self.url = url
+        self.context = context
+        self.params = parse_params(url)
+        self.max_delay = effective_max_delay(self.capabilities.max_delay, self.params)
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect and declare what is needed.  Must be idempotent."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections.  Must be idempotent."""
+
+    @abc.abstractmethod
+    async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
+        """Hand messages to the broker; return one result per message, in order.
+
+        A result is ``ok`` only when the broker confirmed it durably; the
+        relay marks ``ENQUEUED`` only those.  A message must not become
+        visible to consumers before ``delay`` has passed.
+        """
+
+    @abc.abstractmethod
+    def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+        """Yield deliveries for ``queues``, at most ``prefetch`` unacknowledged."""
+
+    async def ack(self, delivery: Delivery) -> None:  # noqa: B027 - optional hook
+        """The job reached a final or rescheduled state: drop the message."""
+
+    async def reject(self, delivery: Delivery, reason: str) -> None:
+        """The message is not runnable (garbage, stale, cancelled): drop it."""
+        await self.ack(delivery)
+
+    async def defer(self, delivery: Delivery, seconds: float) -> None:
+        """Hide the message again for ``seconds`` (it arrived before its due
+        time, e.g. clock skew).  The default acks it and relies on the job's
+        lease expiry to publish it again."""
+        await self.ack(delivery)
+
+
+def parse_params(url: str) -> dict[str, str]:
+    return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+
+
+def effective_max_delay(native: float | None, params: dict[str, str]) -> float | None:
+    """The backend's ceiling, lowered by ``?max_delay=SECONDS`` when given."""
+    raw = params.get("max_delay")
+    if raw is None:
+        return native
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigurationError(
+            f"broker_url: max_delay must be a number of seconds >= 0 (got {raw!r})"
+        ) from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigurationError(
+            f"broker_url: max_delay must be a number of seconds >= 0 (got {raw!r})"
+        )
+    if native is not None and value > native:
+        raise ConfigurationError(
+            f"broker_url: max_delay={raw} exceeds this backend's ceiling of {native:g} s"
+        )
+    return value

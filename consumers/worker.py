@@ -1,0 +1,302 @@
+"""The worker: receive, check, run, complete — each step fenced.
+
+For every delivery:
+
+1. A message that does not decode is rejected with its reason (never a crash).
+2. A message that arrived before its due time waits (short) or is deferred.
+3. The job is *started* with a version-checked conditional update (skipped by
+   ``sql://``, whose claim already did it): a cancelled or rescheduled job, a
+   stale version or a duplicate finds no row and is discarded.
+4. The handler runs inside one transaction together with the dedupe row and
+   the fenced completion (``lease_owner`` and ``lease_generation``): if the
+   lease was lost meanwhile, everything the handler wrote rolls back.
+5. A failure is recorded on the attempt and the job retried later with a new
+   version, or dead-lettered when its attempts are used up.
+
+A heartbeat renews the lease while the handler runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import traceback
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from duebox import jobstore
+from duebox.brokers.base import Broker, Delivery
+from duebox.db import db_errors
+from duebox.errors import DatabaseError, LeaseLostError, UnknownTaskError
+from duebox.ids import process_token
+from duebox.tasks import JobContext, Task
+
+from .dedupe import SQLDedupeStore
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+
+log = logging.getLogger("duebox.worker")
+
+# A message that arrives this close before its due time is held in the
+# worker; further out it goes back to the broker.
+_EARLY_HOLD_SECONDS = 1.0
+
+
+@dataclass
+class WorkerStats:
+    received: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    retried: int = 0
+    dead: int = 0
+    duplicates: int = 0
+    lease_lost: int = 0
+    deferred: int = 0
+    discarded: Counter[str] = field(default_factory=Counter)
+
+
+class Worker:
+    def __init__(
+        self,
+        app: Duebox,
+        *,
+        broker: Broker | None = None,
+        queues: Sequence[str] | None = None,
+        concurrency: int | None = None,
+        name: str | None = None,
+        dedupe: SQLDedupeStore | None = None,
+    ) -> None:
+        self.app = app
+        self.name = name or process_token("worker")
+        self.broker = broker or app.broker(self.name)
+        self.queues = list(queues) if queues else app.queues
+        self.concurrency = concurrency or app.settings.concurrency
+        self.dedupe = dedupe or SQLDedupeStore()
+        self.stats = WorkerStats()
+        self._slots = asyncio.Semaphore(self.concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Consume until ``stop`` is set, then finish what is running."""
+        stop = stop or asyncio.Event()
+        await self.broker.open()
+        consumer = asyncio.create_task(self._consume(), name="duebox-consume")
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if consumer.done():
+                consumer.result()  # surface the error that ended consumption
+        finally:
+            consumer.cancel()
+            stopper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.broker.close()
+
+    async def _consume(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                async for delivery in self.broker.consume(self.queues, self.concurrency):
+                    await self._slots.acquire()
+                    t = asyncio.create_task(self._guarded(delivery))
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
+                backoff = 0.1
+            except DatabaseError as exc:
+                log.warning("consume failed (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    async def _guarded(self, delivery: Delivery) -> None:
+        try:
+            await self.handle(delivery)
+        except Exception:
+            # The job stays leased; recovery publishes it again.  A broker
+            # message is left unacked, so a broker that redelivers will do so.
+            log.exception("delivery failed; the job's lease will expire and it will be retried")
+            if delivery.claimed is not None:
+                with contextlib.suppress(Exception):
+                    await self.broker.ack(delivery)
+        finally:
+            self._slots.release()
+
+    # --- one delivery ----------------------------------------------------------
+
+    async def handle(self, delivery: Delivery) -> None:
+        self.stats.received += 1
+        msg = delivery.message
+        if msg is None:
+            self._discard("undecodable")
+            log.warning("rejected a message that is not a duebox message: %s",
+                        delivery.decode_error)
+            await self.broker.reject(delivery, delivery.decode_error or "undecodable")
+            return
+        clock = self.app.clock
+        early = (msg.due_at - clock.now()).total_seconds()
+        if early > 0 and delivery.claimed is None:
+            if early > _EARLY_HOLD_SECONDS:
+                self.stats.deferred += 1
+                await self.broker.defer(delivery, early)
+                return
+            await asyncio.sleep(early)
+        rec = delivery.claimed
+        if rec is None:
+            rec, reason = await asyncio.to_thread(self._start, delivery)
+            if rec is None:
+                if reason == "not_due":
+                    self.stats.deferred += 1
+                    await self.broker.defer(delivery, 1.0)
+                else:
+                    self._discard(reason)
+                    await self.broker.reject(delivery, reason)
+                return
+        try:
+            task = self.app.get_task(rec.task)
+        except UnknownTaskError as exc:
+            await asyncio.to_thread(self._settle_failure, rec, None, "permanent", str(exc))
+            await self.broker.ack(delivery)
+            return
+        if rec.expired(clock.now()):
+            await asyncio.to_thread(self._expire, rec)
+            self._discard("expired")
+            await self.broker.ack(delivery)
+            return
+        await self._execute(task, rec)
+        await self.broker.ack(delivery)
+
+    def _discard(self, reason: str) -> None:
+        self.stats.discarded[reason] += 1
+        if reason in ("stale_version", "already_succeeded", "already_running", "cancelled"):
+            self.stats.duplicates += 1
+
+    def _start(self, delivery: Delivery) -> tuple[jobstore.JobRecord | None, str]:
+        assert delivery.message is not None
+        s = self.app.settings
+        with db_errors("start"), self.app.engine.begin() as conn:
+            now = self.app.clock.now()
+            rec = jobstore.start(
+                conn, message=delivery.message, owner=f"{self.name}#{delivery.message.job_id}",
+                now=now, lease_until=now + timedelta(seconds=s.lease_seconds), worker=self.name,
+            )
+            if rec is not None:
+                return rec, "started"
+            return None, jobstore.why_not_started(conn, delivery.message, now)
+
+    def _expire(self, rec: jobstore.JobRecord) -> None:
+        with self.app.engine.begin() as conn:
+            jobstore.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
+                            now=self.app.clock.now())
+
+    def _context(self, task: Task, rec: jobstore.JobRecord, session: Any) -> JobContext:
+        return JobContext(
+            job_id=rec.id, task=rec.task, queue=rec.queue, attempt=rec.attempt,
+            version=rec.version, due_at=rec.due_at, key=rec.key, tenant=rec.tenant,
+            session=session, worker=self.name, lease_generation=rec.lease_generation,
+        )
+
+    async def _execute(self, task: Task, rec: jobstore.JobRecord) -> None:
+        beat = asyncio.create_task(self._heartbeat(task, rec))
+        try:
+            if task.is_async:
+                await self._run_async(task, rec)
+            else:
+                await asyncio.to_thread(self._run_sync, task, rec)
+            self.stats.succeeded += 1
+        except LeaseLostError:
+            self.stats.lease_lost += 1
+            log.warning("job %s: lease lost before completion; its writes were rolled back",
+                        rec.id)
+        except Exception as exc:
+            self.stats.failed += 1
+            error = "".join(traceback.format_exception_only(exc)).strip()
+            await asyncio.to_thread(self._settle_failure, rec, task, "unknown", error)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+
+    def _run_sync(self, task: Task, rec: jobstore.JobRecord) -> None:
+        with Session(self.app.engine) as session, session.begin():
+            dialect = session.get_bind().dialect.name
+            now = self.app.clock.now()
+            first = session.execute(self.dedupe.claim_stmt(dialect, str(rec.id), now)).rowcount
+            if first:
+                task.fn(rec.payload, self._context(task, rec, session))
+            else:
+                self.stats.duplicates += 1
+            self._complete(session.execute, rec, first == 1)
+
+    async def _run_async(self, task: Task, rec: jobstore.JobRecord) -> None:
+        async with AsyncSession(self.app.async_engine) as session, session.begin():
+            dialect = session.get_bind().dialect.name
+            now = self.app.clock.now()
+            first = (await session.execute(
+                self.dedupe.claim_stmt(dialect, str(rec.id), now))).rowcount
+            if first:
+                await task.fn(rec.payload, self._context(task, rec, session))
+            else:
+                self.stats.duplicates += 1
+            now = self.app.clock.now()
+            done = await session.execute(jobstore.complete_stmt(rec, now))
+            if done.rowcount != 1:
+                raise LeaseLostError(f"job {rec.id}: lease lost before completion")
+            await session.execute(jobstore.finish_attempt_stmt(
+                rec, now, "succeeded" if first == 1 else "duplicate"))
+
+    def _complete(self, execute: Any, rec: jobstore.JobRecord, ran: bool) -> None:
+        now = self.app.clock.now()
+        if execute(jobstore.complete_stmt(rec, now)).rowcount != 1:
+            raise LeaseLostError(f"job {rec.id}: lease lost before completion")
+        execute(jobstore.finish_attempt_stmt(rec, now, "succeeded" if ran else "duplicate"))
+
+    def _settle_failure(self, rec: jobstore.JobRecord, task: Task | None, error_class: str,
+                        error: str) -> None:
+        now = self.app.clock.now()
+        retry = task is not None and error_class != "permanent" and rec.attempt < rec.max_attempts
+        with db_errors("record failure"), self.app.engine.begin() as conn:
+            if retry:
+                assert task is not None
+                due = now + timedelta(seconds=task.retry.delay(rec.attempt))
+                moved = conn.execute(jobstore.retry_stmt(rec, now, due, error_class, error))
+            else:
+                moved = conn.execute(jobstore.dead_stmt(rec, now, error_class, error))
+            if moved.rowcount != 1:
+                self.stats.lease_lost += 1
+                log.warning("job %s: failure not recorded, the lease moved on", rec.id)
+                return
+            conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", error_class, error))
+        if retry:
+            self.stats.retried += 1
+        else:
+            self.stats.dead += 1
+
+    async def _heartbeat(self, task: Task, rec: jobstore.JobRecord) -> None:
+        lease = task.lease_seconds or self.app.settings.lease_seconds
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                ok = await asyncio.to_thread(self._renew, rec, lease)
+            except DatabaseError as exc:
+                log.warning("job %s: heartbeat failed: %s", rec.id, exc)
+                continue
+            if not ok:
+                log.warning("job %s: heartbeat found the lease gone (cancelled or taken over)",
+                            rec.id)
+                return
+
+    def _renew(self, rec: jobstore.JobRecord, lease: float) -> bool:
+        with db_errors("heartbeat"), self.app.engine.begin() as conn:
+            now = self.app.clock.now()
+            res = conn.execute(jobstore.heartbeat_stmt(rec, now, now + timedelta(seconds=lease)))
+            return res.rowcount == 1

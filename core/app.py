@@ -1,0 +1,242 @@
+"""The :class:`Duebox` application object: tasks, engines and the producer API."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from .clock import Clock, SystemClock
+from .config import Settings
+from .db import create_async_engine_for, create_sync_engine
+from .errors import UnknownTaskError, ValidationError
+from .producer import (
+    NewJob,
+    Target,
+    aware,
+    cancel_steps,
+    check_optional_str,
+    check_payload,
+    check_priority,
+    dialect_of,
+    drive,
+    insert_many_steps,
+    insert_steps,
+    reschedule_steps,
+    resolve_due,
+)
+from .registry import broker_class
+from .tasks import Handler, RetryPolicy, Task, validate_task_options
+
+if TYPE_CHECKING:
+    from duebox.brokers.base import Broker
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Duebox:
+    """One application: its database (the outbox lives there), its broker and its tasks.
+
+    ``engine`` may be the application's own engine; duebox never disposes of
+    an engine it did not create.
+    """
+
+    def __init__(
+        self,
+        database_url: str | None = None,
+        broker_url: str | None = None,
+        *,
+        engine: Engine | None = None,
+        clock: Clock | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        base = settings or Settings()
+        self.settings = base.with_(database_url=database_url, broker_url=broker_url)
+        if engine is not None and database_url is None:
+            self.settings = self.settings.with_(
+                database_url=engine.url.render_as_string(hide_password=False)
+            )
+        broker_class(self.settings.broker_url)  # fail now on an unknown scheme
+        self.clock: Clock = clock or SystemClock()
+        self.tasks: dict[str, Task] = {}
+        self._engine = engine
+        self._own_engine = engine is None
+        self._async_engine: AsyncEngine | None = None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **kw: Any) -> Duebox:
+        """Settings from ``DUEBOX_DATABASE_URL`` (default ``sqlite:///duebox.db``),
+        ``DUEBOX_BROKER_URL`` (default ``sql://``) and the other ``DUEBOX_*``."""
+        return cls(settings=Settings.from_env(environ), **kw)
+
+    # --- engines -----------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = create_sync_engine(self.settings.database_url)
+        return self._engine
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        if self._async_engine is None:
+            self._async_engine = create_async_engine_for(self.settings.database_url)
+        return self._async_engine
+
+    def dispose(self) -> None:
+        if self._engine is not None and self._own_engine:
+            self._engine.dispose()
+            self._engine = None
+
+    async def adispose(self) -> None:
+        if self._async_engine is not None:
+            await self._async_engine.dispose()
+            self._async_engine = None
+        self.dispose()
+
+    def broker(self, worker_name: str = "worker") -> Broker:
+        from duebox.brokers.base import BrokerContext
+
+        cls = broker_class(self.settings.broker_url)
+        ctx = BrokerContext(self.engine, self.clock, self.settings, worker_name)
+        broker: Broker = cls(self.settings.broker_url, ctx)
+        return broker
+
+    # --- tasks -------------------------------------------------------------
+
+    def task(
+        self,
+        name: str,
+        *,
+        queue: str | None = None,
+        max_attempts: int = 3,
+        retry: RetryPolicy | None = None,
+        lease_seconds: float | None = None,
+    ) -> Callable[[F], F]:
+        """Register ``fn(payload, ctx)`` (sync or async) as task ``name``."""
+        queue = queue or "default"
+        validate_task_options(name, queue, max_attempts)
+
+        def register(fn: F) -> F:
+            self.tasks[name] = Task(
+                name=name, fn=fn, queue=queue, max_attempts=max_attempts,
+                retry=retry or RetryPolicy(), lease_seconds=lease_seconds,
+            )
+            return fn
+
+        return register
+
+    def add_task(self, name: str, fn: Handler, **options: Any) -> None:
+        self.task(name, **options)(fn)
+
+    def get_task(self, name: str) -> Task:
+        try:
+            return self.tasks[name]
+        except KeyError:
+            raise UnknownTaskError(name, list(self.tasks)) from None
+
+    @property
+    def queues(self) -> list[str]:
+        return sorted({t.queue for t in self.tasks.values()}) or ["default"]
+
+    # --- producer API ------------------------------------------------------
+
+    def new_job(
+        self,
+        name: str,
+        payload: Any = None,
+        *,
+        at: datetime | None = None,
+        delay: timedelta | float | None = None,
+        key: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+        expires_at: datetime | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> NewJob:
+        """Validate one job's arguments; raises :class:`ValidationError` naming the field."""
+        task = self.get_task(name)
+        due_at = resolve_due(self.clock.now(), at, delay)
+        check_payload(payload)
+        check_optional_str("key", key, 400)
+        check_optional_str("tenant", tenant, 200)
+        check_priority(priority)
+        expires = aware("expires_at", expires_at) if expires_at is not None else None
+        if expires is not None and expires <= due_at:
+            raise ValidationError("expires_at", "must be later than the job's due time", expires_at)
+        if headers is not None:
+            if not isinstance(headers, dict):
+                raise ValidationError("headers", "must be a dict", headers)
+            check_payload(headers)
+        return NewJob(
+            task=name, queue=task.queue, payload=payload, due_at=due_at,
+            max_attempts=task.max_attempts, key=key, priority=priority, tenant=tenant,
+            expires_at=expires, headers=headers,
+        )
+
+    def schedule(
+        self,
+        session: Target,
+        name: str,
+        payload: Any = None,
+        *,
+        at: datetime | None = None,
+        delay: timedelta | float | None = None,
+        key: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+        expires_at: datetime | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> uuid.UUID | Awaitable[uuid.UUID]:
+        """Write a job into the caller's open transaction; never commits.
+
+        Returns the job id (await it with an ``AsyncSession``).  With ``key``,
+        scheduling the same key again is a no-op that returns the first job's id.
+        """
+        dialect = dialect_of(session)
+        new = self.new_job(
+            name, payload, at=at, delay=delay, key=key, priority=priority, tenant=tenant,
+            expires_at=expires_at, headers=headers,
+        )
+        return drive(session, insert_steps(new, dialect, self.clock.now(), self.settings.notify))
+
+    def schedule_many(
+        self, session: Target, jobs: list[NewJob]
+    ) -> list[uuid.UUID] | Awaitable[list[uuid.UUID]]:
+        """Insert many jobs built with :meth:`new_job` in one statement (no keys)."""
+        dialect = dialect_of(session)
+        for i, new in enumerate(jobs):
+            if not isinstance(new, NewJob):
+                raise ValidationError(f"jobs[{i}]", "must be built with app.new_job()", new)
+            if new.key is not None:
+                raise ValidationError(f"jobs[{i}].key", "keys need app.schedule(), one by one")
+        return drive(session, insert_many_steps(jobs, dialect, self.clock.now(),
+                                                self.settings.notify))
+
+    def cancel(
+        self, session: Target, job_id: uuid.UUID | str, *, operator: str | None = None,
+        reason: str | None = None,
+    ) -> bool | Awaitable[bool]:
+        """Cancel a job and bump its version; True if it was active.
+
+        A message already handed to a broker for it will be discarded by the
+        worker's version check.  With ``operator`` an audit row is written.
+        """
+        dialect_of(session)
+        return drive(session, cancel_steps(job_id, self.clock.now(), operator, reason))
+
+    def reschedule(
+        self, session: Target, job_id: uuid.UUID | str, *, at: datetime | None = None,
+        delay: timedelta | float | None = None,
+    ) -> Awaitable[None] | None:
+        """Move a not-yet-running job to a new due time and bump its version."""
+        dialect = dialect_of(session)
+        if at is None and delay is None:
+            raise ValidationError("at/delay", "give one of at= and delay=")
+        due_at = resolve_due(self.clock.now(), at, delay)
+        return drive(session, reschedule_steps(job_id, due_at, self.clock.now(),
+                                               self.settings.notify, dialect))

@@ -1,0 +1,90 @@
+"""Settings: every knob with its ``DUEBOX_*`` environment variable and its check."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .errors import ConfigurationError
+
+DEFAULT_DATABASE_URL = "sqlite:///duebox.db"
+DEFAULT_BROKER_URL = "sql://"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Tuning shared by the relay and the worker.
+
+    Durations are seconds.  ``clock_skew_margin`` is added to every lease
+    expiry comparison so a node whose clock runs a little fast cannot take a
+    job whose owner is still within its lease.
+    """
+
+    database_url: str = DEFAULT_DATABASE_URL
+    broker_url: str = DEFAULT_BROKER_URL
+    batch_size: int = 500
+    poll_interval: float = 1.0
+    lease_seconds: float = 30.0
+    clock_skew_margin: float = 2.0
+    # A job the broker accepted but no worker started within this long after
+    # its due time is published again (a broker that lost it: Redis without
+    # AOF, a purged queue).  Consumers drop the duplicate by outbox id.
+    redeliver_after: float = 900.0
+    concurrency: int = 8
+    notify: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("batch_size", self.batch_size, upper=100_000)
+        _positive_int("concurrency", self.concurrency, upper=10_000)
+        for name in ("poll_interval", "lease_seconds", "redeliver_after"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise ConfigurationError(f"{name}: must be a number > 0 (got {value!r})")
+        if not isinstance(self.clock_skew_margin, int | float) or self.clock_skew_margin < 0:
+            raise ConfigurationError(
+                f"clock_skew_margin: must be a number >= 0 (got {self.clock_skew_margin!r})"
+            )
+        for name in ("database_url", "broker_url"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigurationError(f"{name}: must be a non-empty URL string")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"DUEBOX_{f.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _convert(f.name, f.type, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> Settings:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _convert(name: str, type_name: object, raw: str) -> Any:
+    env_name = f"DUEBOX_{name.upper()}"
+    try:
+        if type_name in ("int", int):
+            return int(raw)
+        if type_name in ("float", float):
+            return float(raw)
+        if type_name in ("bool", bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+    except ValueError:
+        raise ConfigurationError(
+            f"{env_name}: must be a {type_name} (got {raw!r})"
+        ) from None
+    return raw
+
+
+def _positive_int(name: str, value: object, upper: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
+        raise ConfigurationError(f"{name}: must be an integer from 1 to {upper} (got {value!r})")

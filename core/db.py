@@ -1,0 +1,201 @@
+"""Engines, dialect differences and the edge where driver errors become ours.
+
+One code path where SQLAlchemy allows it; the branches here are the places
+where dialects really differ: SQLite's write locking, PostgreSQL's
+LISTEN/NOTIFY, and insert-if-absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import Engine, Table, create_engine, event, text
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool, StaticPool
+
+from .errors import ConfigurationError, DatabaseError, MissingDependencyError
+
+log = logging.getLogger("duebox.db")
+
+NOTIFY_CHANNEL = "duebox_jobs"
+
+
+def parse_database_url(url: str | URL) -> URL:
+    try:
+        parsed = make_url(url)
+    except (sa_exc.ArgumentError, ValueError) as exc:
+        raise ConfigurationError(
+            f"database_url: must be an SQLAlchemy URL such as sqlite:///duebox.db "
+            f"or postgresql+psycopg://host/db (got {str(url)!r})"
+        ) from exc
+    if parsed.drivername == "postgresql":
+        # A bare postgresql:// means psycopg2 to SQLAlchemy; duebox's [postgres]
+        # extra installs psycopg 3, which also serves the async engine.
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def create_sync_engine(url: str | URL, **kw: Any) -> Engine:
+    parsed = parse_database_url(url)
+    backend = parsed.get_backend_name()
+    try:
+        if backend == "sqlite":
+            return _sqlite_engine(parsed, **kw)
+        kw.setdefault("pool_pre_ping", True)
+        kw.setdefault("pool_size", 10)
+        kw.setdefault("max_overflow", 20)
+        return create_engine(parsed, **kw)
+    except sa_exc.NoSuchModuleError as exc:
+        raise ConfigurationError(
+            f"database_url: unknown database dialect {parsed.drivername!r}"
+        ) from exc
+    except ModuleNotFoundError as exc:
+        extra = "postgres" if backend == "postgresql" else backend
+        raise MissingDependencyError(exc.name or parsed.drivername, extra) from exc
+
+
+def create_async_engine_for(url: str | URL) -> AsyncEngine:
+    """The async twin of the sync engine, for ``async def`` handlers' sessions."""
+    parsed = parse_database_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        parsed = parsed.set(drivername="sqlite+aiosqlite")
+    elif backend == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    try:
+        if backend == "sqlite":
+            engine = create_async_engine(parsed, poolclass=NullPool)
+            event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
+            event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
+            return engine
+        return create_async_engine(parsed, pool_pre_ping=True)
+    except ModuleNotFoundError as exc:
+        raise MissingDependencyError(exc.name or str(parsed.drivername), backend) from exc
+
+
+def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    # Let us issue BEGIN ourselves (see _sqlite_on_begin); WAL lets readers
+    # run beside the one writer; busy_timeout waits for the write lock
+    # instead of failing at once when relays and workers share the file.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA busy_timeout = 30000")
+    cur.execute("PRAGMA journal_mode = WAL")
+    cur.execute("PRAGMA synchronous = NORMAL")
+    cur.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    # SQLite has no SKIP LOCKED; taking the write lock at BEGIN makes every
+    # claim a serialised, short transaction, which is the correct equivalent
+    # and avoids the deadlock of two readers upgrading to writers.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _sqlite_engine(parsed: URL, **kw: Any) -> Engine:
+    memory = parsed.database in (None, "", ":memory:")
+    if memory:
+        kw.setdefault("poolclass", StaticPool)
+        kw.setdefault("connect_args", {"check_same_thread": False})
+    else:
+        kw.setdefault("connect_args", {"check_same_thread": False, "timeout": 30})
+    engine = create_engine(parsed, **kw)
+    event.listen(engine, "connect", _sqlite_on_connect)
+    event.listen(engine, "begin", _sqlite_on_begin)
+    return engine
+
+
+@contextlib.contextmanager
+def db_errors(action: str) -> Iterator[None]:
+    """Convert a driver's connection failure into :class:`DatabaseError`."""
+    try:
+        yield
+    except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+        raise DatabaseError(f"{action}: database unavailable: {exc.orig}") from exc
+    except sa_exc.DBAPIError as exc:
+        if exc.connection_invalidated:
+            raise DatabaseError(f"{action}: database connection lost: {exc.orig}") from exc
+        raise
+
+
+def check_reachable(engine: Engine) -> None:
+    with db_errors("database_url"), engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
+def insert_if_absent(
+    table: Table, values: dict[str, Any] | list[dict[str, Any]], dialect_name: str,
+    index_elements: list[str],
+) -> Any:
+    """``INSERT ... ON CONFLICT DO NOTHING`` in each dialect's words."""
+    if dialect_name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return pg_insert(table).values(values).on_conflict_do_nothing(
+            index_elements=index_elements
+        )
+    if dialect_name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table).values(values).on_conflict_do_nothing(
+            index_elements=index_elements
+        )
+    if dialect_name in ("mysql", "mariadb"):
+        from sqlalchemy.dialects.mysql import insert as mysql_insert
+
+        first = index_elements[0]
+        return mysql_insert(table).values(values).on_duplicate_key_update(
+            {first: table.c[first]}
+        )
+    raise ConfigurationError(f"database_url: dialect {dialect_name!r} is not supported")
+
+
+class PgWaker:
+    """Wakes a sleeper when a producer NOTIFYs (best effort; polling stays).
+
+    Uses psycopg 3's native async connection; with any other driver it is a
+    no-op and the caller relies on its poll interval.
+    """
+
+    def __init__(self, url: URL, channel: str = NOTIFY_CHANNEL) -> None:
+        self._url = url
+        self._channel = channel
+        self.event = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._url.get_backend_name() != "postgresql":
+            return
+        self._task = asyncio.create_task(self._listen(), name="duebox-listen")
+
+    async def _listen(self) -> None:
+        try:
+            import psycopg
+        except ImportError:
+            return
+        dsn = self._url.set(drivername="postgresql").render_as_string(hide_password=False)
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                    await conn.execute(f"LISTEN {self._channel}")
+                    self.event.set()  # anything may have been missed while disconnected
+                    async for _ in conn.notifies():
+                        self.event.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
+                await asyncio.sleep(1.0)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None

@@ -1,0 +1,88 @@
+"""The one exception hierarchy of duebox.
+
+Every error duebox raises on purpose is a :class:`DueboxError`; driver errors
+(SQLAlchemy, pika, boto3, ...) are converted where they enter, with the
+original chained as ``__cause__``::
+
+    DueboxError
+    ├── ConfigurationError        bad settings, URLs, --app strings
+    │   └── MissingDependencyError  an optional driver is not installed
+    ├── ValidationError           bad input to the API or a message (names the field)
+    │   ├── UnknownTaskError
+    │   └── MessageDecodeError    a broker message that is not a duebox message
+    ├── DatabaseError             the database is unreachable or refused a write
+    ├── BrokerError               the broker is unreachable or refused a publish
+    └── JobStateError             the job is not in a state that allows the action
+        ├── JobNotFoundError
+        └── LeaseLostError        a fenced write matched no row: another owner moved on
+"""
+
+from __future__ import annotations
+
+
+class DueboxError(Exception):
+    """Root of every error duebox raises on purpose."""
+
+
+class ConfigurationError(DueboxError):
+    """A setting, URL or import string is invalid."""
+
+
+class MissingDependencyError(ConfigurationError):
+    """An optional driver is missing; the message names the pip extra."""
+
+    def __init__(self, package: str, extra: str) -> None:
+        super().__init__(
+            f"{package} is not installed: install it with `pip install 'duebox[{extra}]'`"
+        )
+        self.package = package
+        self.extra = extra
+
+
+class ValidationError(DueboxError, ValueError):
+    """Bad input: ``field`` names what was wrong, ``rule`` what it must satisfy."""
+
+    def __init__(self, field: str, rule: str, value: object = ...) -> None:
+        shown = "" if value is ... else f" (got {_short_repr(value)})"
+        super().__init__(f"{field}: {rule}{shown}")
+        self.field = field
+        self.rule = rule
+
+
+class UnknownTaskError(ValidationError):
+    """A task name that no ``@app.task`` registered."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        hint = ", ".join(sorted(known)[:10]) or "none registered"
+        super().__init__("task", f"must be a registered task name (known: {hint})", name)
+
+
+class MessageDecodeError(ValidationError):
+    """A broker message that cannot be a duebox message."""
+
+
+class DatabaseError(DueboxError):
+    """The database could not be reached or refused the statement."""
+
+
+class BrokerError(DueboxError):
+    """The broker could not be reached or refused a message."""
+
+
+class JobStateError(DueboxError):
+    """The job's state does not allow the requested action."""
+
+
+class JobNotFoundError(JobStateError):
+    def __init__(self, job_id: object) -> None:
+        super().__init__(f"job {job_id}: no such job")
+        self.job_id = job_id
+
+
+class LeaseLostError(JobStateError):
+    """A fenced write matched no row: the lease moved to another owner."""
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,426 @@
+"""Every state transition of a job, as one conditional statement.
+
+Each write is ``UPDATE ... WHERE state = ? [AND version = ?] [AND lease_owner
+= ? AND lease_generation = ?]``: a write that lost a race matches no row,
+changes nothing and says so through its row count.  The relay, the workers,
+the ``sql://`` backend and the CLI all go through this module, so there is
+one place where the state machine lives.
+
+Lease owners are unique per claim (``process token`` + sequence), which makes
+the owner a fencing token on its own; ``lease_generation`` is bumped on every
+claim and start as well, and completion checks both.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, or_, select, update
+from sqlalchemy.sql import Select, Update
+
+from .ids import uuid7
+from .message import JobMessage
+from .states import LEASED_STATES, STARTABLE_STATES, JobState
+from .tables import attempt, job
+
+_ROW_COLUMNS = (
+    job.c.id,
+    job.c.task,
+    job.c.queue,
+    job.c.payload,
+    job.c.headers,
+    job.c.due_at,
+    job.c.version,
+    job.c.attempt,
+    job.c.max_attempts,
+    job.c.priority,
+    job.c.tenant,
+    job.c.key,
+    job.c.expires_at,
+    job.c.lease_owner,
+    job.c.lease_generation,
+    job.c.checkpoint,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """A leased job as the claim or start returned it."""
+
+    id: uuid.UUID
+    task: str
+    queue: str
+    payload: Any
+    headers: Any
+    due_at: datetime
+    version: int
+    attempt: int
+    max_attempts: int
+    priority: int
+    tenant: str | None
+    key: str | None
+    expires_at: datetime | None
+    lease_owner: str | None
+    lease_generation: int
+    checkpoint: Any = None
+    attempt_id: uuid.UUID | None = None
+
+    def to_message(self) -> JobMessage:
+        return JobMessage(
+            job_id=self.id,
+            task=self.task,
+            queue=self.queue,
+            version=self.version,
+            attempt=self.attempt,
+            due_at=self.due_at,
+            payload=self.payload,
+            headers=dict(self.headers or {}),
+        )
+
+    def expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
+
+
+def _records(rows: Sequence[Any]) -> list[JobRecord]:
+    return [JobRecord(*row) for row in rows]
+
+
+def _claim_candidates(
+    state_filter: Any, limit: int, queues: Sequence[str] | None = None
+) -> Select[Any]:
+    stmt = select(job.c.id).where(state_filter)
+    if queues:
+        stmt = stmt.where(job.c.queue.in_(list(queues)))
+    return stmt.order_by(job.c.due_at).limit(limit).with_for_update(skip_locked=True)
+
+
+def _claim(
+    conn: Connection, candidates: Select[Any], owner: str, values: dict[str, Any]
+) -> list[JobRecord]:
+    """Lease the candidate rows to ``owner`` in one statement where the
+    dialect allows ``UPDATE ... RETURNING``; MySQL/MariaDB take three."""
+    base = update(job).values(
+        lease_owner=owner, lease_generation=job.c.lease_generation + 1, **values
+    )
+    if conn.dialect.update_returning:
+        rows = conn.execute(base.where(job.c.id.in_(candidates)).returning(*_ROW_COLUMNS)).all()
+    else:
+        ids = list(conn.execute(candidates).scalars())
+        if not ids:
+            return []
+        conn.execute(base.where(job.c.id.in_(ids)))
+        rows = conn.execute(
+            select(*_ROW_COLUMNS).where(job.c.id.in_(ids), job.c.lease_owner == owner)
+        ).all()
+    records = _records(rows)
+    records.sort(key=lambda r: (r.due_at, r.id))
+    return records
+
+
+# --- relay side -------------------------------------------------------------
+
+
+def claim_for_dispatch(
+    conn: Connection, *, owner: str, horizon: datetime, limit: int, now: datetime,
+    lease_until: datetime,
+) -> list[JobRecord]:
+    """SCHEDULED → DISPATCHING for the next ``limit`` jobs due by ``horizon``."""
+    candidates = _claim_candidates(
+        and_(job.c.state == JobState.SCHEDULED, job.c.due_at <= horizon), limit
+    )
+    return _claim(
+        conn, candidates, owner,
+        {"state": JobState.DISPATCHING, "lease_until": lease_until, "claimed_at": now,
+         "updated_at": now},
+    )
+
+
+def mark_enqueued(
+    conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
+    broker_ids: dict[uuid.UUID, str] | None = None,
+) -> int:
+    """DISPATCHING → ENQUEUED, fenced by the claim's owner token."""
+    if not ids:
+        return 0
+    if broker_ids:
+        total = 0
+        for job_id in ids:
+            total += conn.execute(
+                _mark_stmt(owner, now).where(job.c.id == job_id).values(
+                    broker_message_id=broker_ids.get(job_id)
+                )
+            ).rowcount
+        return total
+    return conn.execute(_mark_stmt(owner, now).where(job.c.id.in_(list(ids)))).rowcount
+
+
+def _mark_stmt(owner: str, now: datetime) -> Update:
+    return (
+        update(job)
+        .where(job.c.state == JobState.DISPATCHING, job.c.lease_owner == owner)
+        .values(state=JobState.ENQUEUED, published_at=now, lease_owner=None,
+                lease_until=None, updated_at=now)
+    )
+
+
+def release(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime) -> int:
+    """Hand claimed jobs back (a publish failed): DISPATCHING → SCHEDULED."""
+    if not ids:
+        return 0
+    return conn.execute(
+        update(job)
+        .where(job.c.id.in_(list(ids)), job.c.state == JobState.DISPATCHING,
+               job.c.lease_owner == owner)
+        .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None, updated_at=now)
+    ).rowcount
+
+
+def expire(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime) -> int:
+    """Leased jobs past their ``expires_at`` become EXPIRED and never run."""
+    if not ids:
+        return 0
+    return conn.execute(
+        update(job)
+        .where(job.c.id.in_(list(ids)), job.c.lease_owner == owner,
+               job.c.state.in_([JobState.DISPATCHING, JobState.RUNNING]))
+        .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
+                finished_at=now, updated_at=now, error_class="expired")
+    ).rowcount
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    dispatching: int = 0
+    running: int = 0
+    dead: int = 0
+    enqueued: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dispatching + self.running + self.dead + self.enqueued
+
+
+def recover(
+    conn: Connection, *, now: datetime, margin: float, redeliver_after: float, limit: int
+) -> Recovered:
+    """Return jobs whose lease expired (plus ``margin`` for clock skew) to SCHEDULED.
+
+    A RUNNING job whose worker vanished counts as a failed attempt: once its
+    attempts are used up it goes to DEAD instead of cycling forever.
+    """
+    cutoff = now - timedelta(seconds=margin)
+    free = {"lease_owner": None, "lease_until": None, "updated_at": now}
+
+    dispatching = conn.execute(
+        update(job)
+        .where(job.c.id.in_(_claim_candidates(
+            and_(job.c.state == JobState.DISPATCHING, job.c.lease_until < cutoff), limit)))
+        .values(state=JobState.SCHEDULED, **free)
+    ).rowcount
+
+    lost_ids = list(conn.execute(_claim_candidates(
+        and_(job.c.state == JobState.RUNNING, job.c.lease_until < cutoff), limit)).scalars())
+    running = dead = 0
+    if lost_ids:
+        lost_error = "lease expired: the worker stopped heartbeating (crash, kill or pause)"
+        dead = conn.execute(
+            update(job)
+            .where(job.c.id.in_(lost_ids), job.c.state == JobState.RUNNING,
+                   job.c.attempt >= job.c.max_attempts)
+            .values(state=JobState.DEAD, error_class="lost", last_error=lost_error,
+                    finished_at=now, **free)
+        ).rowcount
+        running = conn.execute(
+            update(job)
+            .where(job.c.id.in_(lost_ids), job.c.state == JobState.RUNNING)
+            .values(state=JobState.SCHEDULED, error_class="lost", last_error=lost_error, **free)
+        ).rowcount
+        conn.execute(
+            update(attempt)
+            .where(attempt.c.job_id.in_(lost_ids), attempt.c.outcome.is_(None))
+            .values(outcome="lost", error_class="lost", finished_at=now)
+        )
+
+    stale = now - timedelta(seconds=redeliver_after)
+    enqueued = conn.execute(
+        update(job)
+        .where(job.c.id.in_(_claim_candidates(
+            and_(job.c.state == JobState.ENQUEUED, job.c.due_at < stale), limit)))
+        .values(state=JobState.SCHEDULED, **free)
+    ).rowcount
+    return Recovered(dispatching, running, dead, enqueued)
+
+
+def next_due(conn: Connection) -> datetime | None:
+    """The earliest ``due_at`` among SCHEDULED jobs (an index seek)."""
+    return conn.execute(
+        select(job.c.due_at).where(job.c.state == JobState.SCHEDULED)
+        .order_by(job.c.due_at).limit(1)
+    ).scalar()
+
+
+# --- worker side ------------------------------------------------------------
+
+
+def claim_for_run(
+    conn: Connection, *, owner: str, now: datetime, limit: int, lease_until: datetime,
+    queues: Sequence[str] | None, worker: str,
+) -> list[JobRecord]:
+    """``sql://``: SCHEDULED and due → RUNNING, in one short transaction."""
+    candidates = _claim_candidates(
+        and_(job.c.state == JobState.SCHEDULED, job.c.due_at <= now), limit, queues
+    )
+    records = _claim(
+        conn, candidates, owner,
+        {"state": JobState.RUNNING, "lease_until": lease_until, "attempt": job.c.attempt + 1,
+         "claimed_at": now, "started_at": now, "updated_at": now},
+    )
+    return _open_attempts(conn, records, now, worker)
+
+
+def start(
+    conn: Connection, *, message: JobMessage, owner: str, now: datetime, lease_until: datetime,
+    worker: str,
+) -> JobRecord | None:
+    """Version-checked start of a delivered message: None means discard it."""
+    condition = and_(
+        job.c.id == message.job_id,
+        job.c.version == message.version,
+        job.c.state.in_(list(STARTABLE_STATES)),
+        job.c.due_at <= now,
+        or_(job.c.expires_at.is_(None), job.c.expires_at > now),
+    )
+    # Not SKIP LOCKED: a row locked by the relay's mark must be waited for, or
+    # a message that overtook its own mark would be dropped.
+    candidates = select(job.c.id).where(condition).with_for_update()
+    records = _claim(
+        conn, candidates, owner,
+        {"state": JobState.RUNNING, "lease_until": lease_until, "attempt": job.c.attempt + 1,
+         "started_at": now, "updated_at": now},
+    )
+    return _open_attempts(conn, records, now, worker)[0] if records else None
+
+
+def _open_attempts(
+    conn: Connection, records: list[JobRecord], now: datetime, worker: str
+) -> list[JobRecord]:
+    if not records:
+        return records
+    opened = []
+    rows = []
+    for rec in records:
+        attempt_id = uuid7()
+        opened.append(_with_attempt(rec, attempt_id))
+        rows.append({"id": attempt_id, "job_id": rec.id, "number": rec.attempt, "worker": worker,
+                     "lease_generation": rec.lease_generation, "started_at": now})
+    conn.execute(attempt.insert(), rows)
+    return opened
+
+
+def _with_attempt(rec: JobRecord, attempt_id: uuid.UUID) -> JobRecord:
+    values = {name: getattr(rec, name) for name in JobRecord.__slots__}
+    values["attempt_id"] = attempt_id
+    return JobRecord(**values)
+
+
+def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> str:
+    """Name the reason a start matched no row, for logs and metrics."""
+    row = conn.execute(
+        select(job.c.state, job.c.version, job.c.due_at, job.c.expires_at)
+        .where(job.c.id == message.job_id)
+    ).first()
+    if row is None:
+        return "unknown_job"
+    state, version, due_at, expires_at = row
+    if state == JobState.CANCELLED:
+        return "cancelled"
+    if version != message.version:
+        return "stale_version"
+    if state not in STARTABLE_STATES:
+        return "already_" + str(state).lower()
+    if due_at > now:
+        return "not_due"
+    if expires_at is not None and expires_at <= now:
+        return "expired"
+    return "locked"
+
+
+def _fenced(rec: JobRecord) -> Any:
+    return and_(
+        job.c.id == rec.id,
+        job.c.state == JobState.RUNNING,
+        job.c.lease_owner == rec.lease_owner,
+        job.c.lease_generation == rec.lease_generation,
+    )
+
+
+def complete_stmt(rec: JobRecord, now: datetime) -> Update:
+    """RUNNING → SUCCEEDED, fenced: a late completion from a lost lease matches nothing."""
+    return update(job).where(_fenced(rec)).values(
+        state=JobState.SUCCEEDED, finished_at=now, lease_owner=None, lease_until=None,
+        updated_at=now,
+    )
+
+
+def finish_attempt_stmt(
+    rec: JobRecord, now: datetime, outcome: str, error_class: str | None = None,
+    error: str | None = None,
+) -> Update:
+    return (
+        update(attempt)
+        .where(attempt.c.id == rec.attempt_id, attempt.c.outcome.is_(None))
+        .values(outcome=outcome, finished_at=now, error_class=error_class, error=error)
+    )
+
+
+def retry_stmt(
+    rec: JobRecord, now: datetime, due_at: datetime, error_class: str, error: str
+) -> Update:
+    """RUNNING → SCHEDULED with a later ``due_at``; the version moves on so any
+    message still in flight for this attempt is stale."""
+    return update(job).where(_fenced(rec)).values(
+        state=JobState.SCHEDULED, due_at=due_at, version=job.c.version + 1,
+        lease_owner=None, lease_until=None, error_class=error_class, last_error=error,
+        updated_at=now,
+    )
+
+
+def dead_stmt(rec: JobRecord, now: datetime, error_class: str, error: str) -> Update:
+    return update(job).where(_fenced(rec)).values(
+        state=JobState.DEAD, error_class=error_class, last_error=error, finished_at=now,
+        lease_owner=None, lease_until=None, updated_at=now,
+    )
+
+
+def heartbeat_stmt(rec: JobRecord, now: datetime, lease_until: datetime) -> Update:
+    return update(job).where(_fenced(rec)).values(lease_until=lease_until, updated_at=now)
+
+
+def counts_by_state(conn: Connection) -> dict[str, int]:
+    rows = conn.execute(select(job.c.state, func.count()).group_by(job.c.state)).all()
+    return {str(state): int(n) for state, n in rows}
+
+
+__all__ = [
+    "LEASED_STATES",
+    "JobRecord",
+    "Recovered",
+    "claim_for_dispatch",
+    "claim_for_run",
+    "complete_stmt",
+    "dead_stmt",
+    "expire",
+    "finish_attempt_stmt",
+    "heartbeat_stmt",
+    "mark_enqueued",
+    "next_due",
+    "recover",
+    "release",
+    "retry_stmt",
+    "start",
+    "why_not_started",
+]

@@ -1,0 +1,183 @@
+"""The tables, on one :data:`metadata` (SQLAlchemy 2.0 Core).
+
+All names carry the ``duebox_`` prefix so they sit beside an application's own
+tables in its own database: the outbox must share the application's
+transaction.  Alembic migrations in :mod:`duebox.migrations` create them; a
+test in the suite checks the migrations and this module agree.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Dialect,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    Uuid,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC instant on every dialect.
+
+    SQLite and MySQL have no zone-aware timestamp; values are stored as UTC and
+    handed back aware, so comparisons never depend on a server or machine zone.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime reached the database layer")
+        value = value.astimezone(UTC)
+        if dialect.name != "postgresql":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def _dt(name: str, nullable: bool = True, **kw: Any) -> Column[datetime]:
+    return Column(name, UTCDateTime(), nullable=nullable, **kw)
+
+
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+
+job = Table(
+    "duebox_job",
+    metadata,
+    Column("id", Uuid(), primary_key=True),
+    Column("task", String(200), nullable=False),
+    Column("queue", String(200), nullable=False),
+    Column("payload", JsonType, nullable=True),
+    Column("headers", JsonType, nullable=True),
+    _dt("due_at", nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("version", Integer, nullable=False, default=1),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("max_attempts", Integer, nullable=False),
+    Column("priority", Integer, nullable=False, default=0),
+    Column("tenant", String(200), nullable=True),
+    Column("key", String(400), nullable=True),
+    Column("schedule_id", Uuid(), nullable=True),
+    _dt("nominal_fire_at"),
+    _dt("expires_at"),
+    Column("lease_owner", String(200), nullable=True),
+    _dt("lease_until"),
+    Column("lease_generation", BigInteger, nullable=False, default=0),
+    _dt("published_at"),
+    Column("broker_message_id", String(400), nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("error_class", String(40), nullable=True),
+    Column("checkpoint", JsonType, nullable=True),
+    _dt("created_at", nullable=False),
+    _dt("updated_at", nullable=False),
+    _dt("claimed_at"),
+    _dt("started_at"),
+    _dt("finished_at"),
+    UniqueConstraint("key", name="uq_duebox_job_key"),
+    UniqueConstraint("schedule_id", "nominal_fire_at", name="uq_duebox_job_occurrence"),
+    # The claim: state = 'SCHEDULED' AND due_at <= :horizon ORDER BY due_at.
+    Index("ix_duebox_job_state_due", "state", "due_at"),
+    # The recovery scan: leased states whose lease_until has passed.
+    Index("ix_duebox_job_state_lease", "state", "lease_until"),
+)
+
+attempt = Table(
+    "duebox_attempt",
+    metadata,
+    Column("id", Uuid(), primary_key=True),
+    Column("job_id", Uuid(), nullable=False),
+    Column("number", Integer, nullable=False),
+    Column("worker", String(200), nullable=True),
+    Column("lease_generation", BigInteger, nullable=False),
+    Column("outcome", String(20), nullable=True),
+    Column("error_class", String(40), nullable=True),
+    Column("error", Text, nullable=True),
+    _dt("started_at", nullable=False),
+    _dt("finished_at"),
+    Index("ix_duebox_attempt_job", "job_id", "number"),
+)
+
+processed = Table(
+    "duebox_processed",
+    metadata,
+    Column("consumer", String(200), primary_key=True),
+    Column("message_id", String(200), primary_key=True),
+    _dt("processed_at", nullable=False),
+)
+
+lease = Table(
+    "duebox_lease",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("owner", String(200), nullable=True),
+    Column("epoch", BigInteger, nullable=False, default=0),
+    _dt("expires_at"),
+    Column("info", JsonType, nullable=True),
+)
+
+audit = Table(
+    "duebox_audit",
+    metadata,
+    Column("id", Uuid(), primary_key=True),
+    _dt("at", nullable=False),
+    Column("operator", String(200), nullable=False),
+    Column("action", String(40), nullable=False),
+    Column("job_id", Uuid(), nullable=True),
+    Column("reason", Text, nullable=False),
+    Column("details", JsonType, nullable=True),
+    Index("ix_duebox_audit_job", "job_id"),
+)
+
+schedule = Table(
+    "duebox_schedule",
+    metadata,
+    Column("id", Uuid(), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("task", String(200), nullable=False),
+    Column("queue", String(200), nullable=False),
+    Column("cron", String(200), nullable=False),
+    Column("timezone", String(64), nullable=False),
+    Column("payload", JsonType, nullable=True),
+    _dt("next_fire_at", nullable=True),
+    Column("misfire_policy", String(16), nullable=False, default="fire_once"),
+    Column("overlap_policy", String(16), nullable=False, default="allow"),
+    Column("jitter_seconds", Integer, nullable=False, default=0),
+    Column("version", Integer, nullable=False, default=1),
+    Column("paused", Boolean, nullable=False, default=False),
+    _dt("created_at", nullable=False),
+    _dt("updated_at", nullable=False),
+    UniqueConstraint("name", name="uq_duebox_schedule_name"),
+    Index("ix_duebox_schedule_next", "paused", "next_fire_at"),
+)

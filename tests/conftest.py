@@ -1,0 +1,72 @@
+"""Shared fixtures: real SQLite files and real PostgreSQL databases.
+
+Each test session creates its own PostgreSQL database (dropped at the end),
+so tests never assume a clean shared one.  A service that cannot be reached
+fails the test under ``CI=true`` and skips it, loudly, only on a developer
+machine without it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import create_engine, text
+
+import duebox
+from duebox import migrate
+
+PG_ADMIN_URL = os.environ.get("DUEBOX_TEST_PG", "postgresql+psycopg://127.0.0.1:5432/postgres")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def service_missing(what: str, exc: BaseException) -> None:
+    if IN_CI:
+        pytest.fail(f"{what} is required under CI=true and is not reachable: {exc}")
+    pytest.skip(f"{what} not reachable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session."""
+    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:
+        admin.dispose()
+        service_missing("PostgreSQL", exc)
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def reset_tables(url: str) -> None:
+    """Drop duebox's tables and the tests' own, then migrate afresh."""
+    eng = create_engine(url)
+    with eng.begin() as conn:
+        for table in ("effects", *reversed([t.name for t in duebox.metadata.sorted_tables]),
+                      "duebox_alembic_version"):
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+    eng.dispose()
+    engine = duebox.Duebox(database_url=url).engine
+    migrate.upgrade(engine)
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
+    """A migrated, empty database: a SQLite file, then PostgreSQL."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/duebox.db"  # type: ignore[str-bytes-safe]
+    else:
+        url = request.getfixturevalue("pg_server_url")
+    reset_tables(url)
+    return url
