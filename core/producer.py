@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, func, select, update
-from sqlalchemy.engine import Result
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Executable
@@ -30,7 +30,7 @@ from .states import ACTIVE_STATES, RESCHEDULABLE_STATES, JobState
 from .tables import audit, job
 
 T = TypeVar("T")
-Steps = Generator[Executable, Result[Any], T]
+Steps = Generator[Executable, CursorResult[Any], T]
 
 _INT32 = 2**31 - 1
 
@@ -141,7 +141,7 @@ def drive(target: Target, steps: Steps[T]) -> T | Awaitable[T]:
     return _drive_sync(target.execute, steps)
 
 
-def _drive_sync(execute: Callable[..., Result[Any]], steps: Steps[T]) -> T:
+def _drive_sync(execute: Callable[..., Any], steps: Steps[T]) -> T:
     try:
         stmt = next(steps)
         while True:
@@ -150,7 +150,7 @@ def _drive_sync(execute: Callable[..., Result[Any]], steps: Steps[T]) -> T:
         return done.value  # type: ignore[no-any-return]
 
 
-async def _drive_async(execute: Callable[..., Awaitable[Result[Any]]], steps: Steps[T]) -> T:
+async def _drive_async(execute: Callable[..., Awaitable[Any]], steps: Steps[T]) -> T:
     try:
         stmt = next(steps)
         while True:

@@ -27,8 +27,8 @@ class RetryPolicy:
     minimum: float = 0.0
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        ceiling = min(self.cap, self.base * (2 ** max(0, attempt - 1)))
-        r = (rng or random).random()
+        ceiling: float = min(self.cap, self.base * 2.0 ** max(0, attempt - 1))
+        r: float = (rng or random).random()
         return max(self.minimum, ceiling * r)
 
 

@@ -1,0 +1,1 @@
+"""The ``duebox`` command: the one place that wires everything together."""

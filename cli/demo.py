@@ -1,0 +1,114 @@
+"""``duebox demo``: schedule a few hundred jobs, run a relay and a worker, and
+report what happened — on SQLite, with no services."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import click
+from sqlalchemy import Column, Float, MetaData, String, Table, func, select
+from sqlalchemy.orm import Session
+
+from duebox import Duebox, JobContext, migrate
+from duebox.consumers import Worker
+from duebox.relay import Relay
+
+demo_metadata = MetaData()
+effect = Table(
+    "duebox_demo_effect",
+    demo_metadata,
+    Column("job_id", String(36), primary_key=True),
+    Column("run_id", String(32), nullable=False, index=True),
+    Column("due", Float, nullable=False),
+    Column("started", Float, nullable=False),
+)
+
+
+@dataclass
+class DemoResult:
+    scheduled: int
+    ran: int
+    early: int
+    duplicates: int
+    cancelled_ran: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    seconds: float
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def run_demo(app: Duebox, jobs: int, spread: float, cancels: int) -> DemoResult:
+    migrate.upgrade(app.engine)
+    demo_metadata.create_all(app.engine)
+    run_id = uuid.uuid4().hex
+    calls: dict[uuid.UUID, int] = {}
+
+    @app.task("demo.hello", queue="demo")
+    def hello(payload: dict[str, int], ctx: JobContext) -> None:
+        started = time.time()
+        calls[ctx.job_id] = calls.get(ctx.job_id, 0) + 1
+        ctx.session.execute(effect.insert().values(
+            job_id=str(ctx.job_id), run_id=run_id, due=ctx.due_at.timestamp(), started=started))
+
+    t0 = time.monotonic()
+    with Session(app.engine) as session, session.begin():
+        new = [app.new_job("demo.hello", {"n": i}, delay=spread * i / max(1, jobs - 1))
+               for i in range(jobs)]
+        ids = app.schedule_many(session, new)
+    assert isinstance(ids, list)
+    cancelled = set(ids[1::max(1, jobs // max(1, cancels))][:cancels]) if cancels else set()
+    with Session(app.engine) as session, session.begin():
+        for job_id in cancelled:
+            app.cancel(session, job_id)
+    expected = jobs - len(cancelled)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        relay = Relay(app)
+        worker = Worker(app, queues=["demo"])
+        runners = [asyncio.create_task(relay.run(stop)), asyncio.create_task(worker.run(stop))]
+        deadline = time.monotonic() + spread + 20
+        with click.progressbar(length=expected, label="jobs run", file=None) as bar:
+            done = 0
+            while done < expected and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                now_done = await asyncio.to_thread(_count, app, run_id)
+                bar.update(now_done - done)
+                done = now_done
+        stop.set()
+        await asyncio.gather(*runners)
+
+    asyncio.run(main())
+    with app.engine.connect() as conn:
+        rows = conn.execute(select(effect.c.job_id, effect.c.due, effect.c.started)
+                            .where(effect.c.run_id == run_id)).all()
+    lateness = sorted((started - due) * 1000 for _, due, started in rows)
+    ran_ids = {uuid.UUID(j) for j, _, _ in rows}
+    return DemoResult(
+        scheduled=jobs,
+        ran=len(rows),
+        early=sum(1 for ms in lateness if ms < 0),
+        duplicates=sum(n - 1 for n in calls.values() if n > 1),
+        cancelled_ran=len(ran_ids & cancelled),
+        p50_ms=_percentile(lateness, 0.50),
+        p99_ms=_percentile(lateness, 0.99),
+        max_ms=lateness[-1] if lateness else float("nan"),
+        seconds=time.monotonic() - t0,
+    )
+
+
+def _count(app: Duebox, run_id: str) -> int:
+    with app.engine.connect() as conn:
+        return int(conn.execute(
+            select(func.count()).select_from(effect).where(effect.c.run_id == run_id)
+        ).scalar_one())

@@ -1,0 +1,253 @@
+"""``duebox`` — relay, worker, database, jobs, status and the demo.
+
+Every option has a ``DUEBOX_*`` environment variable (shown in ``--help``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import click
+from sqlalchemy.orm import Session
+
+from duebox import Duebox, DueboxError, migrate
+from duebox.ids import parse_job_id
+
+from .loading import load_app
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _errors_as_messages(fn: F) -> F:
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DueboxError as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def app_options(fn: F) -> F:
+    """--app, --database-url and --broker-url, shared by every command."""
+    fn = click.option("--broker-url", envvar="DUEBOX_BROKER_URL", default=None,
+                      help="Broker URL (sql://, redis://, amqp://, ...). "
+                           "[env DUEBOX_BROKER_URL]")(fn)
+    fn = click.option("--database-url", envvar="DUEBOX_DATABASE_URL", default=None,
+                      help="SQLAlchemy URL of the database holding the outbox. "
+                           "[env DUEBOX_DATABASE_URL]")(fn)
+    fn = click.option("--app", "app_spec", envvar="DUEBOX_APP", default=None,
+                      metavar="MODULE:ATTR",
+                      help="Your duebox.Duebox instance, e.g. myproject.jobs:app. "
+                           "[env DUEBOX_APP]")(fn)
+    return _errors_as_messages(fn)
+
+
+@click.group()
+@click.option("--log-level", envvar="DUEBOX_LOG_LEVEL", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="[env DUEBOX_LOG_LEVEL]")
+@click.version_option(package_name="duebox")
+def cli(log_level: str) -> None:
+    """duebox: durable delayed dispatch on the broker you already run."""
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@cli.command()
+@app_options
+@click.option("--batch-size", envvar="DUEBOX_BATCH_SIZE", type=int, default=None,
+              help="Jobs per claim. [env DUEBOX_BATCH_SIZE]")
+@click.option("--poll-interval", envvar="DUEBOX_POLL_INTERVAL", type=float, default=None,
+              help="Longest sleep between passes, seconds. [env DUEBOX_POLL_INTERVAL]")
+def relay(app_spec: str | None, database_url: str | None, broker_url: str | None,
+          batch_size: int | None, poll_interval: float | None) -> None:
+    """Claim due jobs and hand them to the broker."""
+    from duebox.relay import Relay
+
+    from .running import run_until_signalled
+
+    app = load_app(app_spec, database_url, broker_url)
+    app.settings = app.settings.with_(batch_size=batch_size, poll_interval=poll_interval)
+    r = Relay(app)
+    click.echo(f"relay {r.name}: {_redact(app.settings.database_url)} -> "
+               f"{_redact(app.settings.broker_url)}", err=True)
+    run_until_signalled(r.run)
+
+
+@cli.command()
+@app_options
+@click.option("--concurrency", envvar="DUEBOX_CONCURRENCY", type=int, default=None,
+              help="Jobs run at once. [env DUEBOX_CONCURRENCY]")
+@click.option("--queue", "queues", envvar="DUEBOX_QUEUES", multiple=True,
+              help="Queue to consume (repeatable; default: every registered task's queue). "
+                   "[env DUEBOX_QUEUES, space-separated]")
+def worker(app_spec: str | None, database_url: str | None, broker_url: str | None,
+           concurrency: int | None, queues: tuple[str, ...]) -> None:
+    """Run handlers for delivered jobs."""
+    from duebox.consumers import Worker
+
+    from .running import run_until_signalled
+
+    app = load_app(app_spec, database_url, broker_url)
+    if not app.tasks:
+        raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
+    w = Worker(app, queues=list(queues) or None, concurrency=concurrency)
+    click.echo(f"worker {w.name}: queues {', '.join(w.queues)}", err=True)
+    run_until_signalled(w.run)
+
+
+@cli.group()
+def db() -> None:
+    """Create or upgrade duebox's tables."""
+
+
+@db.command("upgrade")
+@app_options
+def db_upgrade(app_spec: str | None, database_url: str | None, broker_url: str | None) -> None:
+    """Create or upgrade the tables to the newest revision."""
+    app = load_app(app_spec, database_url, broker_url)
+    migrate.upgrade(app.engine)
+    click.echo(f"database at revision {migrate.current_revision(app.engine)}")
+
+
+@db.command("current")
+@app_options
+def db_current(app_spec: str | None, database_url: str | None, broker_url: str | None) -> None:
+    """Print the database's revision and the newest one."""
+    app = load_app(app_spec, database_url, broker_url)
+    click.echo(f"current {migrate.current_revision(app.engine)}  head {migrate.head_revision()}")
+
+
+@cli.group()
+def jobs() -> None:
+    """List, inspect and cancel jobs."""
+
+
+@jobs.command("list")
+@app_options
+@click.option("--state", default=None, help="Only jobs in this state.")
+@click.option("--queue", default=None, help="Only jobs of this queue.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
+def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | None,
+              state: str | None, queue: str | None, limit: int) -> None:
+    """The latest jobs by due time."""
+    from .inspect_jobs import list_jobs
+
+    app = load_app(app_spec, database_url, broker_url)
+    rows = list_jobs(app.engine, state, queue, limit)
+    click.echo(f"{'id':<36}  {'state':<11} {'due (UTC)':<23} {'task':<20} att ver key")
+    for r in rows:
+        due = r.due_at.isoformat(timespec="milliseconds")[:23]
+        click.echo(f"{r.id!s:<36}  {r.state:<11} {due:<23} {r.task:<20} {r.attempt:>3} "
+                   f"{r.version:>3} {r.key or ''}")
+
+
+@jobs.command("show")
+@app_options
+@click.argument("job_id")
+def jobs_show(app_spec: str | None, database_url: str | None, broker_url: str | None,
+              job_id: str) -> None:
+    """A job's timeline, attempts, audit rows and where it is now."""
+    from .inspect_jobs import show_job
+
+    app = load_app(app_spec, database_url, broker_url)
+    scheme = urlsplit(app.settings.broker_url).scheme
+    click.echo(show_job(app.engine, parse_job_id(job_id, "JOB_ID"), scheme, app.clock.now()))
+
+
+@jobs.command("cancel")
+@app_options
+@click.argument("job_id")
+@click.option("--operator", envvar="DUEBOX_OPERATOR", required=True,
+              help="Who cancels (recorded in the audit table). [env DUEBOX_OPERATOR]")
+@click.option("--reason", required=True, help="Why (recorded in the audit table).")
+def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str | None,
+                job_id: str, operator: str, reason: str) -> None:
+    """Cancel a job; a message already in a broker for it will be discarded."""
+    app = load_app(app_spec, database_url, broker_url)
+    jid = parse_job_id(job_id, "JOB_ID")
+    with Session(app.engine) as session, session.begin():
+        done = app.cancel(session, jid, operator=operator, reason=reason)
+    click.echo(f"job {jid}: {'cancelled' if done else 'already finished, nothing to cancel'}")
+
+
+@cli.command()
+@app_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(app_spec: str | None, database_url: str | None, broker_url: str | None,
+           as_json: bool) -> None:
+    """Jobs by state and the due backlog per queue, at a glance."""
+    from .inspect_jobs import status as read_status
+
+    app = load_app(app_spec, database_url, broker_url)
+    report = read_status(app.engine, app.clock.now())
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+        return
+    states = report["states"]
+    click.echo("jobs by state: " + ("  ".join(f"{k} {v}" for k, v in sorted(states.items()))
+                                    or "none"))
+    if not report["queues"]:
+        click.echo("due backlog: none")
+    for q, info in sorted(report["queues"].items()):
+        click.echo(f"queue {q}: due backlog {info['due_backlog']}, oldest due "
+                   f"{info['oldest_due_age_s']:.1f} s ago")
+
+
+@cli.command()
+@click.option("--database-url", envvar="DUEBOX_DATABASE_URL", default="sqlite:///duebox.db",
+              show_default=True, help="[env DUEBOX_DATABASE_URL]")
+@click.option("--broker-url", envvar="DUEBOX_BROKER_URL", default="sql://", show_default=True,
+              help="[env DUEBOX_BROKER_URL]")
+@click.option("--jobs", "n_jobs", default=300, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--spread", default=5.0, show_default=True, type=click.FloatRange(0, 60),
+              help="Delays are spread evenly over 0..SPREAD seconds.")
+@click.option("--cancels", default=10, show_default=True, type=click.IntRange(0, 1000),
+              help="How many of the jobs to cancel before they are due.")
+@_errors_as_messages
+def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels: int) -> None:
+    """Schedule jobs, run a relay and a worker, and report lateness and duplicates."""
+    from .demo import run_demo
+
+    logging.getLogger().setLevel(logging.WARNING)
+    app = Duebox(database_url=database_url, broker_url=broker_url)
+    click.echo(f"duebox demo: {n_jobs} jobs due over the next {spread:g} s on "
+               f"{_redact(database_url)} with {broker_url}")
+    r = run_demo(app, n_jobs, spread, cancels)
+    app.dispose()
+    click.echo(
+        f"\nscheduled {r.scheduled}, cancelled {min(cancels, n_jobs)}, ran {r.ran}\n"
+        f"ran before due time: {r.early}\n"
+        f"ran twice: {r.duplicates}\n"
+        f"cancelled but ran: {r.cancelled_ran}\n"
+        f"lateness (start - due): p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms, "
+        f"max {r.max_ms:.1f} ms\n"
+        f"took {r.seconds:.1f} s"
+    )
+    expected = r.scheduled - min(cancels, n_jobs)
+    if r.early or r.duplicates or r.cancelled_ran or r.ran != expected:
+        raise click.ClickException("demo found a violated guarantee (see above)")
+    click.echo("all guarantees held. Next: `duebox jobs list`, `duebox status`.")
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@")
+    return url
+
+
+def main() -> None:
+    try:
+        cli(prog_name="duebox")
+    except DueboxError as exc:  # pragma: no cover - commands convert their own
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(1)
