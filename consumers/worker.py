@@ -230,7 +230,8 @@ class Worker:
         with Session(self.app.engine) as session, session.begin():
             dialect = session.get_bind().dialect.name
             now = self.app.clock.now()
-            first = session.execute(self.dedupe.claim_stmt(dialect, str(rec.id), now)).rowcount
+            claimed: Any = session.execute(self.dedupe.claim_stmt(dialect, str(rec.id), now))
+            first = claimed.rowcount
             if first:
                 task.fn(rec.payload, self._context(task, rec, session))
             else:
@@ -241,14 +242,14 @@ class Worker:
         async with AsyncSession(self.app.async_engine) as session, session.begin():
             dialect = session.get_bind().dialect.name
             now = self.app.clock.now()
-            first = (await session.execute(
-                self.dedupe.claim_stmt(dialect, str(rec.id), now))).rowcount
+            claim: Any = await session.execute(self.dedupe.claim_stmt(dialect, str(rec.id), now))
+            first = claim.rowcount
             if first:
                 await task.fn(rec.payload, self._context(task, rec, session))
             else:
                 self.stats.duplicates += 1
             now = self.app.clock.now()
-            done = await session.execute(jobstore.complete_stmt(rec, now))
+            done: Any = await session.execute(jobstore.complete_stmt(rec, now))
             if done.rowcount != 1:
                 raise LeaseLostError(f"job {rec.id}: lease lost before completion")
             await session.execute(jobstore.finish_attempt_stmt(

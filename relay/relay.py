@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
@@ -199,7 +200,7 @@ class Relay:
         stats.marked += marked
         stats.lost_marks += len(ok) - marked
 
-    def _db(self, fn: object, owner: str, ids: list[object]) -> int:
+    def _db(self, fn: object, owner: str, ids: Sequence[object]) -> int:
         with db_errors("mark"), self.app.engine.begin() as conn:
             result: int = fn(conn, owner=owner, ids=ids, now=self.app.clock.now())  # type: ignore[operator]
             return result
