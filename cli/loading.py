@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 
+import click
+
 from duebox import Duebox
 from duebox.errors import ConfigurationError
 
@@ -15,8 +17,10 @@ def load_app(spec: str | None, database_url: str | None = None,
     """``module:attr`` (attr may be a Duebox or a zero-argument factory); without
     a spec, an app built from the ``DUEBOX_*`` environment."""
     app = _import(spec) if spec else Duebox.from_env()
-    if database_url or broker_url:
-        app.settings = app.settings.with_(database_url=database_url, broker_url=broker_url)
+    app.configure(database_url=database_url, broker_url=broker_url)
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.call_on_close(app.dispose)
     return app
 
 

@@ -75,7 +75,7 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
     from .running import run_until_signalled
 
     app = load_app(app_spec, database_url, broker_url)
-    app.settings = app.settings.with_(batch_size=batch_size, poll_interval=poll_interval)
+    app.configure(batch_size=batch_size, poll_interval=poll_interval)
     r = Relay(app)
     click.echo(f"relay {r.name}: {_redact(app.settings.database_url)} -> "
                f"{_redact(app.settings.broker_url)}", err=True)

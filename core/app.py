@@ -73,6 +73,15 @@ class Duebox:
         ``DUEBOX_BROKER_URL`` (default ``sql://``) and the other ``DUEBOX_*``."""
         return cls(settings=Settings.from_env(environ), **kw)
 
+    def configure(self, **changes: Any) -> None:
+        """Change settings (``database_url=``, ``broker_url=``, ``batch_size=`` ...),
+        checked like the constructor's; ``None`` values are ignored."""
+        settings = self.settings.with_(**changes)
+        broker_class(settings.broker_url)
+        if settings.database_url != self.settings.database_url and self._own_engine:
+            self.dispose()
+        self.settings = settings
+
     # --- engines -----------------------------------------------------------
 
     @property

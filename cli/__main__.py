@@ -1,0 +1,5 @@
+"""``python -m duebox.cli``: the same as the ``duebox`` command."""
+
+from .main import main
+
+main()

@@ -1,0 +1,138 @@
+"""The ``duebox`` command, driven through click's runner against real databases."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
+
+from duebox.cli.main import cli
+from duebox.tables import audit, job
+from tests.apps import cli_app
+
+
+@pytest.fixture
+def runner(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
+    monkeypatch.setenv("DUEBOX_DATABASE_URL", database_url)
+    cli_app.app.configure(database_url=database_url)
+    yield CliRunner()
+    cli_app.app.dispose()
+
+
+def _schedule(database_url: str, **kw: object) -> uuid.UUID:
+    app = cli_app.app
+    with Session(app.engine) as session, session.begin():
+        job_id = app.schedule(session, "cli.noop", {"x": 1}, **kw)  # type: ignore[arg-type]
+    app.dispose()
+    assert isinstance(job_id, uuid.UUID)
+    return job_id
+
+
+def test_db_upgrade_is_idempotent_and_reports_revision(runner: CliRunner) -> None:
+    for _ in range(2):
+        result = runner.invoke(cli, ["db", "upgrade"])
+        assert result.exit_code == 0, result.output
+        assert "revision 0001" in result.output
+    result = runner.invoke(cli, ["db", "current"])
+    assert "current 0001  head 0001" in result.output
+
+
+def test_jobs_show_prints_timeline_and_where_it_is(runner: CliRunner, database_url: str) -> None:
+    job_id = _schedule(database_url, delay=3600, key="order-7")
+    result = runner.invoke(cli, ["jobs", "show", str(job_id), "--app", "tests.apps.cli_app:app"])
+    assert result.exit_code == 0, result.output
+    assert f"job {job_id}" in result.output
+    assert "parked in the database, due in" in result.output
+    assert "key order-7" in result.output
+    listed = runner.invoke(cli, ["jobs", "list", "--state", "scheduled"])
+    assert str(job_id) in listed.output
+
+
+def test_jobs_cancel_requires_operator_and_reason_and_writes_audit(
+    runner: CliRunner, database_url: str
+) -> None:
+    job_id = _schedule(database_url, delay=60)
+    refused = runner.invoke(cli, ["jobs", "cancel", str(job_id), "--reason", "x"])
+    assert refused.exit_code != 0
+    assert "--operator" in refused.output
+    engine = create_engine(database_url)
+    with engine.connect() as conn:
+        assert conn.execute(select(job.c.state).where(job.c.id == job_id)).scalar() == "SCHEDULED"
+    done = runner.invoke(cli, ["jobs", "cancel", str(job_id), "--operator", "alice",
+                               "--reason", "customer asked"])
+    assert done.exit_code == 0, done.output
+    with engine.connect() as conn:
+        state, version = conn.execute(
+            select(job.c.state, job.c.version).where(job.c.id == job_id)).one()
+        row = conn.execute(select(audit).where(audit.c.job_id == job_id)).one()
+    engine.dispose()
+    assert (state, version) == ("CANCELLED", 2)
+    assert (row.operator, row.action, row.reason) == ("alice", "cancel", "customer asked")
+
+
+def test_status_json_counts_due_backlog(runner: CliRunner, database_url: str) -> None:
+    _schedule(database_url)
+    _schedule(database_url, delay=3600)
+    result = runner.invoke(cli, ["status", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["states"] == {"SCHEDULED": 2}
+    assert report["queues"]["default"]["due_backlog"] == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("nocolon", "must be 'module:attribute'"),
+        ("tests.apps.cli_app:", "must be 'module:attribute'"),
+        ("no.such.module:app", "cannot import module"),
+        ("tests.apps.cli_app:missing", "has no attribute"),
+        ("tests.apps.cli_app:not_an_app", "not a duebox.Duebox"),
+    ],
+)
+def test_malformed_app_is_a_clear_error(spec: str, needle: str) -> None:
+    result = CliRunner().invoke(cli, ["worker", "--app", spec])
+    assert result.exit_code == 1
+    assert "ConfigurationError: --app:" in result.output
+    assert needle in result.output
+
+
+def test_bad_job_id_and_unknown_broker_scheme(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["jobs", "show", "not-a-uuid"])
+    assert result.exit_code == 1
+    assert "JOB_ID: must be a UUID" in result.output
+    result = runner.invoke(cli, ["status", "--broker-url", "carrier-pigeon://x"])
+    assert result.exit_code == 1
+    assert "broker_url: unknown scheme 'carrier-pigeon'" in result.output
+
+
+def test_unreachable_database_is_a_database_error() -> None:
+    result = CliRunner().invoke(
+        cli, ["status", "--database-url", "postgresql+psycopg://127.0.0.1:1/nowhere"])
+    assert result.exit_code == 1
+    assert "DatabaseError" in result.output
+
+
+@pytest.mark.slow
+def test_demo_holds_every_guarantee(tmp_path: Path) -> None:
+    """The README's first command, as a user runs it: a fresh directory, SQLite."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "duebox.cli", "demo", "--jobs", "200", "--spread", "3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "ran 190" in out
+    assert "ran before due time: 0" in out
+    assert "ran twice: 0" in out
+    assert "cancelled but ran: 0" in out
+    assert (tmp_path / "duebox.db").exists()

@@ -1,0 +1,32 @@
+"""The public API is a decision: this pins ``duebox.__all__``."""
+
+import subprocess
+import sys
+
+import duebox
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(duebox.__all__) == sorted([
+        "BrokerError", "Clock", "ConfigurationError", "DatabaseError", "Duebox", "DueboxError",
+        "FakeClock", "JobContext", "JobMessage", "JobNotFoundError", "JobState",
+        "JobStateError", "LeaseLostError", "MessageDecodeError", "MissingDependencyError",
+        "NewJob", "RetryPolicy", "Settings", "SystemClock", "Task", "UnknownTaskError",
+        "ValidationError", "__version__", "metadata",
+    ])
+    for name in duebox.__all__:
+        assert hasattr(duebox, name), name
+
+
+def test_every_error_is_a_duebox_error() -> None:
+    for name in duebox.__all__:
+        obj = getattr(duebox, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, duebox.DueboxError), name
+
+
+def test_import_loads_no_broker_driver() -> None:
+    code = ("import sys, duebox, duebox.relay, duebox.consumers, duebox.cli.main; "
+            "print(sorted(m for m in ('pika', 'boto3', 'aiokafka', 'redis') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
