@@ -1,6 +1,9 @@
 """``duebox`` — relay, worker, database, jobs, status and the demo.
 
-Every option has a ``DUEBOX_*`` environment variable (shown in ``--help``).
+Every option has a ``DUEBOX_*`` environment variable: the shared ones are
+named in ``--help`` (``DUEBOX_APP``, ``DUEBOX_DATABASE_URL`` ...); the rest
+follow click's ``DUEBOX_<COMMAND>_<OPTION>`` rule, e.g.
+``DUEBOX_JOBS_LIST_LIMIT`` or ``DUEBOX_DEMO_JOBS``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def app_options(fn: F) -> F:
     return _errors_as_messages(fn)
 
 
-@click.group()
+@click.group(context_settings={"auto_envvar_prefix": "DUEBOX", "show_default": True})
 @click.option("--log-level", envvar="DUEBOX_LOG_LEVEL", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="[env DUEBOX_LOG_LEVEL]")
