@@ -10,20 +10,23 @@ shared contract suite checks each backend against what it declares.
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
 from duebox.clock import Clock
-from duebox.errors import ConfigurationError, MessageDecodeError
+from duebox.errors import MessageDecodeError
 from duebox.message import JobMessage
+from duebox.registry import effective_max_delay
 
 if TYPE_CHECKING:
+    import uuid
+
     from sqlalchemy import Engine
 
     from duebox.config import Settings
+    from duebox.jobstore import EnqueuedRef
 
 
 @dataclass(frozen=True)
@@ -141,28 +144,26 @@ class Broker(abc.ABC):
         lease expiry to publish it again."""
         await self.ack(delivery)
 
+    async def cancel(self, job_ids: Sequence[uuid.UUID]) -> int:
+        """Best effort, after a cancel committed: drop these jobs' messages that
+        no worker has read yet; returns how many were dropped.  Only for
+        cancelled jobs (a final state: no newer message can exist).  Nothing
+        depends on it: the worker's version check discards a cancelled job's
+        message.  The default, for backends that cannot, drops nothing."""
+        return 0
+
+    async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID] | None:
+        """Reconciliation: of these ``ENQUEUED`` jobs, the ids whose message
+        (at that version) the broker no longer holds; the relay publishes them
+        again.  ``None`` (the default) means the backend cannot tell."""
+        return None
+
+    async def data_lost(self) -> bool:
+        """Cheap check the relay makes every pass: True when the broker knows
+        it lost its data since the last call (Redis restarted empty), so the
+        relay reconciles at once instead of at its next periodic sweep."""
+        return False
+
 
 def parse_params(url: str) -> dict[str, str]:
     return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
-
-
-def effective_max_delay(native: float | None, params: dict[str, str]) -> float | None:
-    """The backend's ceiling, lowered by ``?max_delay=SECONDS`` when given."""
-    raw = params.get("max_delay")
-    if raw is None:
-        return native
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigurationError(
-            f"broker_url: max_delay must be a number of seconds >= 0 (got {raw!r})"
-        ) from None
-    if not math.isfinite(value) or value < 0:
-        raise ConfigurationError(
-            f"broker_url: max_delay must be a number of seconds >= 0 (got {raw!r})"
-        )
-    if native is not None and value > native:
-        raise ConfigurationError(
-            f"broker_url: max_delay={raw} exceeds this backend's ceiling of {native:g} s"
-        )
-    return value

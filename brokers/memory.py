@@ -85,6 +85,14 @@ class MemoryBroker(Broker):
                     yield delivery_from_body(body, mid)
             await asyncio.sleep(0.001)
 
+    async def defer(self, delivery: Delivery, seconds: float) -> None:
+        """Make the message visible again after ``seconds`` (it came early)."""
+        if delivery.message is None:
+            return
+        queue = self.hub.queues[delivery.message.queue]
+        item = (delivery.message.encode(), delivery.raw)
+        asyncio.get_running_loop().call_later(max(0.0, seconds), queue.put_nowait, item)
+
     async def inject(self, queue: str, body: bytes) -> None:
         """Put raw bytes on a queue, as a misbehaving producer would (tests)."""
         self.hub.queues[queue].put_nowait((body, next(self.hub.ids)))

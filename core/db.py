@@ -91,11 +91,19 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+# Execution option for a SQLite transaction that should take the write lock
+# only at its first write: a handler's own transaction, so that a handler busy
+# with something else (an API call) does not hold the one write lock and
+# heartbeats, cancels and claims can go on meanwhile.
+SQLITE_DEFERRED = "duebox_sqlite_deferred"
+
+
 def _sqlite_on_begin(conn: Connection) -> None:
     # SQLite has no SKIP LOCKED; taking the write lock at BEGIN makes every
     # claim a serialised, short transaction, which is the correct equivalent
     # and avoids the deadlock of two readers upgrading to writers.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+    deferred = conn.get_execution_options().get(SQLITE_DEFERRED)
+    conn.exec_driver_sql("BEGIN" if deferred else "BEGIN IMMEDIATE")
 
 
 def _sqlite_engine(parsed: URL, **kw: Any) -> Engine:
@@ -133,27 +141,33 @@ def insert_if_absent(
     table: Table, values: dict[str, Any] | list[dict[str, Any]], dialect_name: str,
     index_elements: list[str],
 ) -> Any:
-    """``INSERT ... ON CONFLICT DO NOTHING`` in each dialect's words."""
+    """``INSERT ... ON CONFLICT DO NOTHING`` in each dialect's words.
+
+    Callers read the result's ``rowcount`` (1: inserted, 0: already there), so
+    the statement asks for it to be kept: without ``preserve_rowcount``
+    SQLAlchemy reports -1 for an INSERT on psycopg.
+    """
+    stmt: Any
     if dialect_name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-        return pg_insert(table).values(values).on_conflict_do_nothing(
+        stmt = pg_insert(table).values(values).on_conflict_do_nothing(
             index_elements=index_elements
         )
-    if dialect_name == "sqlite":
+    elif dialect_name == "sqlite":
         from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-        return sqlite_insert(table).values(values).on_conflict_do_nothing(
+        stmt = sqlite_insert(table).values(values).on_conflict_do_nothing(
             index_elements=index_elements
         )
-    if dialect_name in ("mysql", "mariadb"):
-        from sqlalchemy.dialects.mysql import insert as mysql_insert
-
-        first = index_elements[0]
-        return mysql_insert(table).values(values).on_duplicate_key_update(
-            {first: table.c[first]}
-        )
-    raise ConfigurationError(f"database_url: dialect {dialect_name!r} is not supported")
+    elif dialect_name in ("mysql", "mariadb"):
+        # Not ON DUPLICATE KEY UPDATE: SQLAlchemy's MySQL drivers count matched
+        # rows, so a duplicate would report 1.  IGNORE reports 0 (it also turns
+        # other errors on this one row into warnings; the rows here are ours).
+        stmt = table.insert().values(values).prefix_with("IGNORE")
+    else:
+        raise ConfigurationError(f"database_url: dialect {dialect_name!r} is not supported")
+    return stmt.execution_options(preserve_rowcount=True)
 
 
 class PgWaker:

@@ -4,14 +4,18 @@ until its backend is used."""
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from .errors import ConfigurationError
 
 BROKERS: dict[str, str] = {
     "sql": "duebox.brokers.sql:SQLBroker",
     "memory": "duebox.brokers.memory:MemoryBroker",
+    "amqp": "duebox.brokers.amqp:AMQPBroker",
+    "amqps": "duebox.brokers.amqp:AMQPBroker",
+    "redis": "duebox.brokers.redis:RedisBroker",
 }
 
 
@@ -31,6 +35,36 @@ def broker_class(url: str) -> Any:
     module_name, _, attr = target.partition(":")
     module = importlib.import_module(module_name)
     return getattr(module, attr)
+
+
+def check_broker_url(url: str) -> None:
+    """Fail now, not when a relay starts, on an unknown scheme or a bad
+    ``?max_delay=`` (what each backend accepts beyond that it checks itself
+    when built)."""
+    cls = broker_class(url)
+    effective_max_delay(cls.capabilities.max_delay, dict(parse_qsl(urlsplit(url).query)))
+
+
+def effective_max_delay(native: float | None, params: dict[str, str]) -> float | None:
+    """The backend's ceiling, lowered by ``?max_delay=SECONDS`` when given."""
+    raw = params.get("max_delay")
+    if raw is None:
+        return native
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigurationError(
+            f"broker_url: max_delay must be a number of seconds >= 0 (got {raw!r})"
+        ) from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigurationError(
+            f"broker_url: max_delay must be a number of seconds >= 0 (got {raw!r})"
+        )
+    if native is not None and value > native:
+        raise ConfigurationError(
+            f"broker_url: max_delay={raw} exceeds this backend's ceiling of {native:g} s"
+        )
+    return value
 
 
 def register_broker(scheme: str, target: str) -> None:
