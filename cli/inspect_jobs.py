@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime
 from typing import Any
@@ -47,7 +48,8 @@ def where_now(row: Any, broker_scheme: str, now: datetime) -> str:
     return f"finished: {state}"
 
 
-def show_job(engine: Engine, job_id: uuid.UUID, broker_scheme: str, now: datetime) -> str:
+def show_job(engine: Engine, job_id: uuid.UUID, broker_scheme: str, now: datetime,
+             with_payload: bool = False) -> str:
     with db_errors("jobs show"), engine.connect() as conn:
         row = conn.execute(select(job).where(job.c.id == job_id)).first()
         if row is None:
@@ -68,6 +70,8 @@ def show_job(engine: Engine, job_id: uuid.UUID, broker_scheme: str, now: datetim
     if row.tenant:
         lines.append(f"  tenant {row.tenant}  priority {row.priority}")
     lines.append(f"  now: {where_now(row, broker_scheme, now)}")
+    if with_payload:
+        lines.append(f"  payload {json.dumps(row.payload, sort_keys=True)[:2000]}")
     lines.append("timeline")
     events = [("created", row.created_at), ("due", row.due_at), ("claimed", row.claimed_at),
               ("enqueued", row.published_at), ("started", row.started_at),

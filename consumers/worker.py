@@ -21,24 +21,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import Session
-
 from duebox import jobstore
 from duebox.brokers.base import Broker, Delivery
 from duebox.db import db_errors
-from duebox.errors import DatabaseError, LeaseLostError, UnknownTaskError
+from duebox.errors import DatabaseError, UnknownTaskError
+from duebox.failures import FailureClass, Verdict
 from duebox.ids import process_token
-from duebox.tasks import JobContext, Task
+from duebox.tasks import Task
 
 from .dedupe import SQLDedupeStore
+from .execution import Execution
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -164,7 +162,12 @@ class Worker:
         try:
             task = self.app.get_task(rec.task)
         except UnknownTaskError as exc:
-            await asyncio.to_thread(self._settle_failure, rec, None, "permanent", str(exc))
+            # Nothing here can run it: dead-letter it with the reason.
+            orphan = Task(name=rec.task, fn=_no_handler, queue=rec.queue)
+            await asyncio.to_thread(
+                Execution(self.app, orphan, rec, self.name, self.dedupe).settle,
+                Verdict(FailureClass.PERMANENT), str(exc))
+            self.stats.dead += 1
             await self.broker.ack(delivery)
             return
         if rec.expired(clock.now()):
@@ -198,106 +201,21 @@ class Worker:
             jobstore.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
                             now=self.app.clock.now())
 
-    def _context(self, task: Task, rec: jobstore.JobRecord, session: Any) -> JobContext:
-        return JobContext(
-            job_id=rec.id, task=rec.task, queue=rec.queue, attempt=rec.attempt,
-            version=rec.version, due_at=rec.due_at, key=rec.key, tenant=rec.tenant,
-            session=session, worker=self.name, lease_generation=rec.lease_generation,
-        )
-
     async def _execute(self, task: Task, rec: jobstore.JobRecord) -> None:
-        beat = asyncio.create_task(self._heartbeat(task, rec))
-        try:
-            if task.is_async:
-                await self._run_async(task, rec)
-            else:
-                await asyncio.to_thread(self._run_sync, task, rec)
-            self.stats.succeeded += 1
-        except LeaseLostError:
-            self.stats.lease_lost += 1
-            log.warning("job %s: lease lost before completion; its writes were rolled back",
-                        rec.id)
-        except Exception as exc:
-            self.stats.failed += 1
-            error = "".join(traceback.format_exception_only(exc)).strip()
-            await asyncio.to_thread(self._settle_failure, rec, task, "unknown", error)
-        finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
-
-    def _run_sync(self, task: Task, rec: jobstore.JobRecord) -> None:
-        with Session(self.app.engine) as session, session.begin():
-            dialect = session.get_bind().dialect.name
-            now = self.app.clock.now()
-            claimed: Any = session.execute(self.dedupe.claim_stmt(dialect, str(rec.id), now))
-            first = claimed.rowcount
-            if first:
-                task.fn(rec.payload, self._context(task, rec, session))
-            else:
-                self.stats.duplicates += 1
-            self._complete(session.execute, rec, first == 1)
-
-    async def _run_async(self, task: Task, rec: jobstore.JobRecord) -> None:
-        async with AsyncSession(self.app.async_engine) as session, session.begin():
-            dialect = session.get_bind().dialect.name
-            now = self.app.clock.now()
-            claim: Any = await session.execute(self.dedupe.claim_stmt(dialect, str(rec.id), now))
-            first = claim.rowcount
-            if first:
-                await task.fn(rec.payload, self._context(task, rec, session))
-            else:
-                self.stats.duplicates += 1
-            now = self.app.clock.now()
-            done: Any = await session.execute(jobstore.complete_stmt(rec, now))
-            if done.rowcount != 1:
-                raise LeaseLostError(f"job {rec.id}: lease lost before completion")
-            await session.execute(jobstore.finish_attempt_stmt(
-                rec, now, "succeeded" if first == 1 else "duplicate"))
-
-    def _complete(self, execute: Any, rec: jobstore.JobRecord, ran: bool) -> None:
-        now = self.app.clock.now()
-        if execute(jobstore.complete_stmt(rec, now)).rowcount != 1:
-            raise LeaseLostError(f"job {rec.id}: lease lost before completion")
-        execute(jobstore.finish_attempt_stmt(rec, now, "succeeded" if ran else "duplicate"))
-
-    def _settle_failure(self, rec: jobstore.JobRecord, task: Task | None, error_class: str,
-                        error: str) -> None:
-        now = self.app.clock.now()
-        retry = task is not None and error_class != "permanent" and rec.attempt < rec.max_attempts
-        with db_errors("record failure"), self.app.engine.begin() as conn:
-            if retry:
-                assert task is not None
-                due = now + timedelta(seconds=task.retry.delay(rec.attempt))
-                moved = conn.execute(jobstore.retry_stmt(rec, now, due, error_class, error))
-            else:
-                moved = conn.execute(jobstore.dead_stmt(rec, now, error_class, error))
-            if moved.rowcount != 1:
-                self.stats.lease_lost += 1
-                log.warning("job %s: failure not recorded, the lease moved on", rec.id)
-                return
-            conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", error_class, error))
-        if retry:
-            self.stats.retried += 1
+        outcome = await Execution(self.app, task, rec, self.name, self.dedupe).run()
+        st = self.stats
+        if outcome.status == "succeeded":
+            st.succeeded += 1
+        elif outcome.status == "duplicate":
+            st.succeeded += 1
+            st.duplicates += 1
+        elif outcome.status == "lease_lost":
+            st.lease_lost += 1
         else:
-            self.stats.dead += 1
+            st.failed += 1
+            st.retried += outcome.status == "retried"
+            st.dead += outcome.status == "dead"
 
-    async def _heartbeat(self, task: Task, rec: jobstore.JobRecord) -> None:
-        lease = task.lease_seconds or self.app.settings.lease_seconds
-        while True:
-            await asyncio.sleep(lease / 3)
-            try:
-                ok = await asyncio.to_thread(self._renew, rec, lease)
-            except DatabaseError as exc:
-                log.warning("job %s: heartbeat failed: %s", rec.id, exc)
-                continue
-            if not ok:
-                log.warning("job %s: heartbeat found the lease gone (cancelled or taken over)",
-                            rec.id)
-                return
 
-    def _renew(self, rec: jobstore.JobRecord, lease: float) -> bool:
-        with db_errors("heartbeat"), self.app.engine.begin() as conn:
-            now = self.app.clock.now()
-            res = conn.execute(jobstore.heartbeat_stmt(rec, now, now + timedelta(seconds=lease)))
-            return res.rowcount == 1
+def _no_handler(payload: Any, ctx: Any) -> None:  # pragma: no cover - never called
+    raise RuntimeError("no handler")

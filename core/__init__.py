@@ -21,6 +21,7 @@ from .errors import (
     UnknownTaskError,
     ValidationError,
 )
+from .failures import Classifier, FailureClass, Permanent, Throttled, Transient
 from .message import JobMessage
 from .producer import NewJob
 from .states import JobState
@@ -29,13 +30,35 @@ from .tasks import JobContext, RetryPolicy, Task
 
 __version__ = "0.1.0"
 
+# The consumer side lives in duebox.consumers (core imports nothing from it
+# eagerly); these names are resolved on first use.
+_LAZY = {
+    "dedupe": "duebox.consumers.dedupe",
+    "SQLDedupeStore": "duebox.consumers.dedupe",
+    "RedisDedupeStore": "duebox.consumers.dedupe",
+    "DUPLICATE": "duebox.consumers.dedupe",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'duebox' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
+    "DUPLICATE",
     "BrokerError",
+    "Classifier",
     "Clock",
     "ConfigurationError",
     "DatabaseError",
     "Duebox",
     "DueboxError",
+    "FailureClass",
     "FakeClock",
     "JobContext",
     "JobMessage",
@@ -46,12 +69,18 @@ __all__ = [
     "MessageDecodeError",
     "MissingDependencyError",
     "NewJob",
+    "Permanent",
+    "RedisDedupeStore",
     "RetryPolicy",
+    "SQLDedupeStore",
     "Settings",
     "SystemClock",
     "Task",
+    "Throttled",
+    "Transient",
     "UnknownTaskError",
     "ValidationError",
     "__version__",
+    "dedupe",
     "metadata",
 ]

@@ -8,9 +8,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import ConfigurationError
+from .failures import DEFAULT_CLASSIFIER, Classifier, FailureClass, Verdict
 
 Handler = Callable[[Any, "JobContext"], Any]
 
@@ -31,6 +32,20 @@ class RetryPolicy:
         r: float = (rng or random).random()
         return max(self.minimum, ceiling * r)
 
+    def delay_for(self, attempt: int, verdict: Verdict, rng: random.Random | None = None) -> float:
+        """The wait before the next attempt, by failure class.
+
+        Throttled failures wait at least their ``Retry-After`` and otherwise
+        twice the normal ceiling (harder backoff), plus up to 10 % jitter so
+        jobs throttled together do not return together.
+        """
+        if verdict.failure_class != FailureClass.THROTTLED:
+            return self.delay(attempt, rng)
+        ceiling = min(self.cap, self.base * 2.0 ** attempt)
+        floor = verdict.retry_after if verdict.retry_after is not None else ceiling
+        r: float = (rng or random).random()
+        return max(self.minimum, floor) * (1.0 + 0.1 * r)
+
 
 @dataclass(frozen=True)
 class Task:
@@ -40,6 +55,14 @@ class Task:
     max_attempts: int = 3
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     lease_seconds: float | None = None
+    # Failure classification, extendable per task (see duebox.failures).
+    classifier: Classifier = DEFAULT_CLASSIFIER
+    # Wall-clock limit on one execution, separate from the lease.
+    timeout: float | None = None
+    # Raises if a payload no longer fits the handler (checked before DLQ replay).
+    validate: Callable[[Any], None] | None = None
+    # Seconds after due_at past which a job is EXPIRED by the relay, never run.
+    max_lateness: float | None = None
 
     @property
     def is_async(self) -> bool:
@@ -55,6 +78,16 @@ def validate_task_options(name: object, queue: object, max_attempts: object) -> 
                                  f"characters (got {queue!r})")
     if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
         raise ConfigurationError(f"max_attempts: must be an integer >= 1 (got {max_attempts!r})")
+
+
+class JobControl(Protocol):
+    """The worker's side of a running job (see :class:`JobContext`)."""
+
+    cancelled: bool
+
+    def heartbeat(self) -> bool: ...
+
+    def checkpoint(self, state: Any) -> bool: ...
 
 
 @dataclass
@@ -78,8 +111,44 @@ class JobContext:
     session: Any
     worker: str
     lease_generation: int
+    checkpoint_state: Any = None
+    control: JobControl | None = None
 
     @property
     def idempotency_key(self) -> str:
-        """Stable across retries and replays: the business key, else the job id."""
+        """Stable across retries and replays: the business key, else the job id.
+
+        Pass it to payment providers and similar APIs so a retry after a
+        crash (charge made, completion not recorded) charges nothing new.
+        """
         return self.key if self.key is not None else str(self.job_id)
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the job was cancelled, timed out or its lease was lost.
+
+        Checked at every heartbeat (automatic, every third of the lease): a
+        long handler should look at it at safe points and return early.
+        """
+        return self.control is not None and self.control.cancelled
+
+    def heartbeat(self) -> bool:
+        """Renew the lease now; False (and ``cancelled``) if the job was
+        cancelled or another worker took it over."""
+        return self.control.heartbeat() if self.control is not None else True
+
+    async def aheartbeat(self) -> bool:
+        """:meth:`heartbeat` for ``async def`` handlers."""
+        import asyncio
+
+        return await asyncio.to_thread(self.heartbeat)
+
+    def checkpoint(self, state: Any) -> bool:
+        """Persist progress (JSON); the next attempt gets it as
+        ``ctx.checkpoint_state``.  False if the lease was lost."""
+        return self.control.checkpoint(state) if self.control is not None else False
+
+    async def acheckpoint(self, state: Any) -> bool:
+        import asyncio
+
+        return await asyncio.to_thread(self.checkpoint, state)

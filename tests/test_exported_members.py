@@ -8,11 +8,13 @@ import duebox
 
 def test_public_names_are_pinned() -> None:
     assert sorted(duebox.__all__) == sorted([
-        "BrokerError", "Clock", "ConfigurationError", "DatabaseError", "Duebox", "DueboxError",
-        "FakeClock", "JobContext", "JobMessage", "JobNotFoundError", "JobState",
-        "JobStateError", "LeaseLostError", "MessageDecodeError", "MissingDependencyError",
-        "NewJob", "RetryPolicy", "Settings", "SystemClock", "Task", "UnknownTaskError",
-        "ValidationError", "__version__", "metadata",
+        "DUPLICATE", "BrokerError", "Classifier", "Clock", "ConfigurationError",
+        "DatabaseError", "Duebox", "DueboxError", "FailureClass", "FakeClock", "JobContext",
+        "JobMessage", "JobNotFoundError", "JobState", "JobStateError", "LeaseLostError",
+        "MessageDecodeError", "MissingDependencyError", "NewJob", "Permanent",
+        "RedisDedupeStore", "RetryPolicy", "SQLDedupeStore", "Settings", "SystemClock", "Task",
+        "Throttled", "Transient", "UnknownTaskError", "ValidationError", "__version__",
+        "dedupe", "metadata",
     ])
     for name in duebox.__all__:
         assert hasattr(duebox, name), name

@@ -1,0 +1,231 @@
+"""Running one started job: handler, dedupe row and completion in one
+transaction; heartbeat, checkpoint, timeout and cancellation around it;
+failures classified and settled (retry later or dead-letter), all fenced by
+the lease the start returned."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import traceback
+from collections.abc import Generator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from duebox import dlq, jobstore
+from duebox.db import SQLITE_DEFERRED, db_errors
+from duebox.errors import DatabaseError, LeaseLostError
+from duebox.failures import FailureClass, Verdict
+from duebox.tasks import JobContext, Task
+
+from .dedupe import SQLDedupeStore
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+
+log = logging.getLogger("duebox.worker")
+
+
+class _Duplicate(Exception):
+    """Raised inside the handler's transaction to roll it back."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__("duplicate")
+        self.outcome = outcome
+
+
+@dataclass
+class Outcome:
+    """What became of one execution, for the worker's counters."""
+
+    status: str  # succeeded | duplicate | retried | dead | lease_lost
+    failure_class: FailureClass | None = None
+    retry_in: float | None = None
+
+
+class Execution:
+    """One attempt of one job.  Also the handler's :class:`JobControl`."""
+
+    def __init__(self, app: Duebox, task: Task, rec: jobstore.JobRecord, worker: str,
+                 dedupe: SQLDedupeStore) -> None:
+        self.app = app
+        self.task = task
+        self.rec = rec
+        self.worker = worker
+        self.dedupe = dedupe
+        self.lease = task.lease_seconds or app.settings.lease_seconds
+        self.cancelled = False
+        self._lock = threading.Lock()
+
+    # --- JobControl ------------------------------------------------------------
+
+    def heartbeat(self) -> bool:
+        if self.cancelled:
+            return False
+        with self._lock, db_errors("heartbeat"), self.app.engine.begin() as conn:
+            now = self.app.clock.now()
+            until = now + timedelta(seconds=self.lease)
+            ok = conn.execute(jobstore.heartbeat_stmt(self.rec, now, until)).rowcount == 1
+        if not ok:
+            self.cancelled = True
+        return ok
+
+    def checkpoint(self, state: Any) -> bool:
+        with self._lock, db_errors("checkpoint"), self.app.engine.begin() as conn:
+            stmt = jobstore.checkpoint_stmt(self.rec, self.app.clock.now(), state)
+            ok = conn.execute(stmt).rowcount == 1
+        if not ok:
+            self.cancelled = True
+        return ok
+
+    # --- running -----------------------------------------------------------------
+
+    def context(self, session: Any) -> JobContext:
+        rec = self.rec
+        return JobContext(
+            job_id=rec.id, task=rec.task, queue=rec.queue, attempt=rec.attempt,
+            version=rec.version, due_at=rec.due_at, key=rec.key, tenant=rec.tenant,
+            session=session, worker=self.worker, lease_generation=rec.lease_generation,
+            checkpoint_state=rec.checkpoint, control=self,
+        )
+
+    async def run(self) -> Outcome:
+        beat = asyncio.create_task(self._beat())
+        try:
+            return await self._run_with_timeout()
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+
+    async def _run_with_timeout(self) -> Outcome:
+        work = self._run_async() if self.task.is_async else asyncio.to_thread(self._run_sync)
+        try:
+            if self.task.timeout is None:
+                return await work
+            try:
+                async with asyncio.timeout(self.task.timeout) as scope:
+                    return await work
+            except TimeoutError:
+                if not scope.expired():
+                    raise
+                # A sync handler's thread cannot be stopped: it is told through
+                # ctx.cancelled, and its completion will find the lease gone.
+                self.cancelled = True
+                return await asyncio.to_thread(
+                    self.settle, Verdict(FailureClass.TRANSIENT),
+                    f"timeout: ran longer than {self.task.timeout:g} s",
+                )
+        except _Duplicate:
+            return await asyncio.to_thread(self._close_duplicate)
+        except LeaseLostError:
+            log.warning("job %s: lease lost before completion; its writes were rolled back",
+                        self.rec.id)
+            return Outcome("lease_lost")
+        except Exception as exc:
+            verdict = self.task.classifier.classify(exc)
+            error = "".join(traceback.format_exception_only(exc)).strip()
+            return await asyncio.to_thread(self.settle, verdict, error)
+
+    def _run_sync(self) -> Outcome:
+        engine = self.app.engine.execution_options(**{SQLITE_DEFERRED: True})
+        with Session(engine) as session, session.begin():
+            self.task.fn(self.rec.payload, self.context(session))
+            return self._finish(session.execute)
+
+    async def _run_async(self) -> Outcome:
+        engine = self.app.async_engine.execution_options(**{SQLITE_DEFERRED: True})
+        async with AsyncSession(engine) as session, session.begin():
+            await self.task.fn(self.rec.payload, self.context(session))
+            steps = self._finish_steps()
+            try:
+                stmt = next(steps)
+                while True:
+                    stmt = steps.send(await session.execute(stmt))
+            except StopIteration as done:
+                outcome: Outcome = done.value
+            if outcome.status == "duplicate":
+                raise _Duplicate(outcome)
+            return outcome
+
+    def _finish(self, execute: Any) -> Outcome:
+        steps = self._finish_steps()
+        try:
+            stmt = next(steps)
+            while True:
+                stmt = steps.send(execute(stmt))
+        except StopIteration as done:
+            outcome: Outcome = done.value
+        if outcome.status == "duplicate":
+            # Seen before: this run's writes must not count twice.
+            raise _Duplicate(outcome)
+        return outcome
+
+    def _finish_steps(self) -> Generator[Any, Any, Outcome]:
+        """After the handler, in its transaction: the dedupe row, then the
+        fenced completion.  The dedupe row comes last so that on SQLite the
+        write lock is taken at the handler's first write, not before it runs."""
+        now = self.app.clock.now()
+        dialect = self.app.engine.dialect.name
+        first = yield self.dedupe.claim_stmt(dialect, str(self.rec.id), now)
+        if first.rowcount != 1:
+            return Outcome("duplicate")
+        done = yield jobstore.complete_stmt(self.rec, now)
+        if done.rowcount != 1:
+            raise LeaseLostError(f"job {self.rec.id}: lease lost before completion")
+        yield jobstore.finish_attempt_stmt(self.rec, now, "succeeded")
+        return Outcome("succeeded")
+
+    def _close_duplicate(self) -> Outcome:
+        """The job's effect was already committed under this id: finish the
+        job without a second effect."""
+        with db_errors("complete"), self.app.engine.begin() as conn:
+            now = self.app.clock.now()
+            if conn.execute(jobstore.complete_stmt(self.rec, now)).rowcount != 1:
+                return Outcome("lease_lost")
+            conn.execute(jobstore.finish_attempt_stmt(self.rec, now, "duplicate"))
+        return Outcome("duplicate")
+
+    def settle(self, verdict: Verdict, error: str) -> Outcome:
+        """Record the failed attempt and move the job on: retry later, or DEAD."""
+        rec, now = self.rec, self.app.clock.now()
+        cls = verdict.failure_class
+        retry = cls != FailureClass.PERMANENT and rec.attempt < rec.max_attempts
+        delay = self.task.retry.delay_for(rec.attempt, verdict) if retry else None
+        with db_errors("record failure"), self.app.engine.begin() as conn:
+            if delay is not None:
+                due = now + timedelta(seconds=delay)
+                moved = conn.execute(jobstore.retry_stmt(rec, now, due, cls, error))
+            else:
+                moved = conn.execute(jobstore.dead_stmt(rec, now, cls, error))
+            if moved.rowcount != 1:
+                log.warning("job %s: failure not recorded, the lease moved on", rec.id)
+                return Outcome("lease_lost", cls)
+            conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", cls, error))
+            if delay is None:
+                dlq.quarantine_if_repeated(conn, rec.id, cls, error, now)
+        if delay is not None:
+            log.info("job %s attempt %d failed (%s); retry in %.1fs", rec.id, rec.attempt, cls,
+                     delay)
+            return Outcome("retried", cls, delay)
+        log.warning("job %s dead after attempt %d (%s): %s", rec.id, rec.attempt, cls, error)
+        return Outcome("dead", cls)
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            try:
+                ok = await asyncio.to_thread(self.heartbeat)
+            except DatabaseError as exc:
+                log.warning("job %s: heartbeat failed: %s", self.rec.id, exc)
+                continue
+            if not ok:
+                log.warning("job %s: the lease is gone (cancelled or taken over); "
+                            "ctx.cancelled is now set", self.rec.id)
+                return

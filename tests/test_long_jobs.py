@@ -1,0 +1,129 @@
+"""Long-running jobs: heartbeats, checkpoints, timeouts, cooperative cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from helpers import Running, attempt_rows, cancel_committed, job_row, make_app, schedule_committed
+
+import duebox
+from duebox import RetryPolicy, Transient
+
+
+async def test_heartbeat_keeps_a_job_longer_than_its_lease(database_url: str) -> None:
+    # lease 1 s, handler 3 s: without renewal recovery would take the job back
+    # and a second attempt would start.
+    app = make_app(database_url, lease_seconds=1.0, clock_skew_margin=0.0)
+    starts: list[int] = []
+
+    @app.task("slow")
+    def slow(payload: Any, ctx: duebox.JobContext) -> None:
+        starts.append(ctx.attempt)
+        time.sleep(3.0)
+
+    job_id = schedule_committed(app, "slow")
+    async with Running(app) as r:
+        await r.wait(lambda: job_row(app.engine, job_id).state == "SUCCEEDED", timeout=15,
+                     what="the slow job to finish")
+    attempts = attempt_rows(app.engine, job_id)
+    app.dispose()
+    assert starts == [1]
+    assert [a.outcome for a in attempts] == ["succeeded"]
+
+
+async def test_checkpoint_is_handed_to_the_next_attempt(database_url: str) -> None:
+    app = make_app(database_url)
+    seen: list[Any] = []
+
+    @app.task("export", retry=RetryPolicy(base=0.01, cap=0.02))
+    def export(payload: Any, ctx: duebox.JobContext) -> None:
+        seen.append(ctx.checkpoint_state)
+        if ctx.attempt == 1:
+            assert ctx.checkpoint({"rows_done": 500})
+            raise Transient("connection dropped mid-export")
+
+    job_id = schedule_committed(app, "export")
+    async with Running(app) as r:
+        await r.wait(lambda: job_row(app.engine, job_id).state == "SUCCEEDED", timeout=15,
+                     what="the export to finish")
+    app.dispose()
+    assert seen == [None, {"rows_done": 500}]
+
+
+async def test_timeout_is_separate_from_the_lease(database_url: str) -> None:
+    app = make_app(database_url, lease_seconds=30.0)
+    observed: list[bool] = []
+    done = threading.Event()
+
+    @app.task("stuck", timeout=0.5, max_attempts=1)
+    def stuck(payload: Any, ctx: duebox.JobContext) -> None:
+        deadline = time.monotonic() + 10
+        while not ctx.cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        observed.append(ctx.cancelled)
+        done.set()
+
+    @app.task("stuck_async", timeout=0.5, max_attempts=1)
+    async def stuck_async(payload: Any, ctx: duebox.JobContext) -> None:
+        await asyncio.sleep(10)
+
+    sync_id = schedule_committed(app, "stuck")
+    async_id = schedule_committed(app, "stuck_async")
+    async with Running(app) as r:
+        await r.wait(lambda: {job_row(app.engine, i).state for i in (sync_id, async_id)}
+                     == {"DEAD"}, timeout=10, what="both timed-out jobs to be dead")
+        await r.wait(done.is_set, timeout=5, what="the sync handler to see ctx.cancelled")
+    rows = [job_row(app.engine, i) for i in (sync_id, async_id)]
+    app.dispose()
+    assert observed == [True]
+    for row in rows:
+        assert row.error_class == "transient"
+        assert "timeout: ran longer than 0.5 s" in row.last_error
+
+
+async def test_cancel_reaches_a_running_job_within_one_heartbeat(database_url: str) -> None:
+    app = make_app(database_url, lease_seconds=0.6)
+    started = threading.Event()
+    noticed: list[float] = []
+
+    @app.task("batch")
+    def batch(payload: Any, ctx: duebox.JobContext) -> None:
+        started.set()
+        t0 = time.monotonic()
+        while not ctx.cancelled and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        noticed.append(time.monotonic())
+
+    job_id = schedule_committed(app, "batch")
+    async with Running(app) as r:
+        await r.wait(started.is_set, timeout=10, what="the handler to start")
+        assert cancel_committed(app, job_id)
+        cancelled_at = time.monotonic()
+        await r.wait(lambda: bool(noticed), timeout=5, what="the handler to notice the cancel")
+    row = job_row(app.engine, job_id)
+    app.dispose()
+    # one heartbeat is a third of the lease (0.2 s); allow scheduling slack
+    assert noticed[0] - cancelled_at < 0.6
+    assert row.state == "CANCELLED"
+
+
+async def test_idempotency_key_is_stable_across_retries(database_url: str) -> None:
+    app = make_app(database_url)
+    keys: dict[str, list[str]] = {}
+
+    @app.task("pay", retry=RetryPolicy(base=0.01, cap=0.02))
+    def pay(payload: Any, ctx: duebox.JobContext) -> None:
+        keys.setdefault(payload["name"], []).append(ctx.idempotency_key)
+        if ctx.attempt == 1:
+            raise Transient("try again")
+
+    keyed = schedule_committed(app, "pay", {"name": "keyed"}, key="invoice-77")
+    plain = schedule_committed(app, "pay", {"name": "plain"})
+    async with Running(app) as r:
+        await r.wait(lambda: {job_row(app.engine, i).state for i in (keyed, plain)}
+                     == {"SUCCEEDED"}, timeout=15, what="both to succeed")
+    app.dispose()
+    assert keys == {"keyed": ["invoice-77"] * 2, "plain": [str(plain)] * 2}
