@@ -10,15 +10,20 @@ shared contract suite checks each backend against what it declares.
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
 from duebox.clock import Clock
-from duebox.errors import MessageDecodeError
+from duebox.errors import BrokerError, MessageDecodeError
 from duebox.message import JobMessage
 from duebox.registry import effective_max_delay
+
+log = logging.getLogger("duebox.broker")
 
 if TYPE_CHECKING:
     import uuid
@@ -163,6 +168,24 @@ class Broker(abc.ABC):
         it lost its data since the last call (Redis restarted empty), so the
         relay reconciles at once instead of at its next periodic sweep."""
         return False
+
+
+async def open_broker(broker: Broker, stop: asyncio.Event) -> bool:
+    """Open ``broker``, retrying with backoff while it is unreachable (a
+    broker briefly down at start must not kill the process); False if
+    ``stop`` was set first.  Configuration errors are raised at once."""
+    backoff = 0.2
+    while not stop.is_set():
+        try:
+            await broker.open()
+            return True
+        except BrokerError as exc:
+            log.warning("broker %s unreachable (%s); retrying in %.1fs",
+                        broker.capabilities.name, exc, backoff)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff)
+            backoff = min(backoff * 2, 10.0)
+    return False
 
 
 def parse_params(url: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from duebox import jobstore
-from duebox.brokers.base import Broker, Delivery
+from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.db import db_errors
 from duebox.errors import DatabaseError, UnknownTaskError
 from duebox.failures import FailureClass, Verdict
@@ -42,6 +42,10 @@ if TYPE_CHECKING:
     from duebox.app import Duebox
 
 log = logging.getLogger("duebox.worker")
+
+# A delivery whose handling failed unexpectedly (the database down) comes back
+# after this long.
+_RETRY_DELIVERY_SECONDS = 5.0
 
 # A message that arrives this close before its due time is held in the
 # worker; further out it goes back to the broker.
@@ -85,7 +89,8 @@ class Worker:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Consume until ``stop`` is set, then finish what is running."""
         stop = stop or asyncio.Event()
-        await self.broker.open()
+        if not await open_broker(self.broker, stop):
+            return
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
         stopper = asyncio.create_task(stop.wait())
         try:
@@ -120,12 +125,16 @@ class Worker:
         try:
             await self.handle(delivery)
         except Exception:
-            # The job stays leased; recovery publishes it again.  A broker
-            # message is left unacked, so a broker that redelivers will do so.
+            # The job stays leased; lease recovery publishes it again.  The
+            # broker's message is handed back for later rather than left
+            # unacked, where it would hold a prefetch slot until the channel
+            # closes (RabbitMQ's consumer_timeout is 30 minutes).
             log.exception("delivery failed; the job's lease will expire and it will be retried")
-            if delivery.claimed is not None:
-                with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):
+                if delivery.claimed is not None:
                     await self.broker.ack(delivery)
+                else:
+                    await self.broker.defer(delivery, _RETRY_DELIVERY_SECONDS)
         finally:
             self._slots.release()
 

@@ -16,6 +16,8 @@ BROKERS: dict[str, str] = {
     "amqp": "duebox.brokers.amqp:AMQPBroker",
     "amqps": "duebox.brokers.amqp:AMQPBroker",
     "redis": "duebox.brokers.redis:RedisBroker",
+    "sqs": "duebox.brokers.sqs:SQSBroker",
+    "kafka": "duebox.brokers.kafka:KafkaBroker",
 }
 
 

@@ -1,0 +1,341 @@
+"""``amqp://`` and ``amqps://`` — RabbitMQ through pika's asyncio adapter.
+
+Delays use the ``x-delayed-message`` plugin when the broker has it (detected
+at connect; ``?delay_mode=plugin|tiers`` forces one) and otherwise a TTL +
+dead-letter tier topology (:mod:`duebox.brokers.amqp_topology`).  Either way
+the ceiling is ``2**32 - 1`` ms (49.7 days) at 1 ms precision; later jobs stay
+parked in the database (``?max_delay=`` lowers the ceiling).
+
+Publishing is pipelined: a batch is written at once on a confirm-mode channel
+and its confirms are awaited together.  Every message is persistent; a result
+is ``ok`` only when the broker acked it and did not return it, and immediate
+and tier publishes are *mandatory*, so an unroutable message is an error the
+relay retries, never a silent loss.  Queues are durable (``?queue_type=quorum``
+for quorum queues).  Consumers use ``basic.qos`` prefetch and manual acks; a
+lost connection is re-established by both sides, and unacked messages are
+redelivered by the broker and dropped by the worker's version check and
+dedupe.
+
+URL parameters besides pika's own (``heartbeat``, ``ssl_options``, ...):
+``prefix`` (names, default ``duebox``), ``delay_mode`` (``auto``),
+``queue_type`` (``classic``), ``confirm_timeout`` (seconds, 30) and
+``max_delay``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from duebox.errors import BrokerError, ConfigurationError, ValidationError
+
+from .amqp_link import (
+    Channel,
+    Link,
+    Publisher,
+    chan_code,
+    describe,
+    pika_parameters,
+    properties,
+)
+from .amqp_topology import (
+    MAX_DELAY_MS,
+    MODES,
+    Topology,
+    check_queue_name,
+)
+from .base import (
+    Broker,
+    BrokerContext,
+    Capabilities,
+    Delivery,
+    Outgoing,
+    PublishResult,
+    delivery_from_body,
+)
+
+log = logging.getLogger("duebox.brokers.amqp")
+
+OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "confirm_timeout"})
+# RabbitMQ's default max_message_size (3.8+): larger messages close the channel.
+PAYLOAD_LIMIT = 128 * 1024 * 1024
+_YIELD_EVERY = 64
+
+
+class AMQPBroker(Broker):
+    capabilities = Capabilities(
+        name="amqp",
+        max_delay=MAX_DELAY_MS / 1000,
+        delay_precision=0.001,
+        cancel=False,
+        ordering="per queue in visibility order; messages due within a few ms of each "
+                 "other may swap (each tier stop adds about 1 ms)",
+        durability="durable queues, persistent messages, publisher confirms; a classic "
+                   "queue dead-letters between tiers at most once (quorum: at least once); "
+                   "the job table republishes anything lost after redeliver_after",
+        payload_limit=PAYLOAD_LIMIT,
+        redelivers_unacked=True,
+        in_flight_after_cancel="waits out its delay in the broker, then is delivered and "
+                               "discarded by the version check",
+    )
+
+    def __init__(self, url: str, context: BrokerContext) -> None:
+        super().__init__(url, context)
+        p = self.params
+        self.topology = Topology(prefix=p.get("prefix", "duebox"),
+                                 queue_type=p.get("queue_type", "classic"))
+        self.mode = p.get("delay_mode", "auto")
+        if self.mode not in MODES:
+            raise ConfigurationError(
+                f"broker_url: delay_mode must be one of {', '.join(MODES)} (got {self.mode!r})")
+        self.confirm_timeout = _positive(p, "confirm_timeout", 30.0)
+        self.pika_params = pika_parameters(url, context.worker_name, OWN_PARAMS)
+        self.plugin: bool | None = {"auto": None, "tiers": False, "plugin": True}[self.mode]
+        self._lock = asyncio.Lock()
+        self._link: Link | None = None
+        self._admin: Channel | None = None
+        self._publisher: Publisher | None = None
+        self._declared: set[str] = set()
+
+    # --- connection ----------------------------------------------------------
+
+    async def open(self) -> None:
+        await self._connected()
+
+    async def close(self) -> None:
+        link, self._link = self._link, None
+        self._admin = self._publisher = None
+        if link is not None:
+            await link.close()
+
+    async def _connected(self) -> Link:
+        """The open connection, (re)connecting and declaring the topology."""
+        async with self._lock:
+            link = self._link
+            if link is not None and link.is_open:
+                return link
+            self._link = self._admin = self._publisher = None
+            self._declared.clear()
+            if self.plugin is None:
+                self.plugin = await self._detect_plugin()
+            link = await Link.connect(self.pika_params)
+            try:
+                admin = await link.channel()
+                t = self.topology
+                ops = t.base_ops() + (t.plugin_ops() if self.plugin else t.tier_ops())
+                await admin.apply(ops)
+            except BrokerError as exc:
+                await link.close()
+                hint = ""
+                if self.plugin and "x-delayed-message" in str(exc):
+                    hint = " (delay_mode=plugin needs rabbitmq_delayed_message_exchange)"
+                raise BrokerError(f"declaring the RabbitMQ topology failed: {exc}{hint}") from exc
+            self._link, self._admin = link, admin
+            log.info("connected to RabbitMQ %s:%s vhost %r (%s delays)", self.pika_params.host,
+                     self.pika_params.port, self.pika_params.virtual_host,
+                     "plugin" if self.plugin else "tier")
+            return link
+
+    async def _detect_plugin(self) -> bool:
+        """Declare the delayed exchange on a throwaway connection: RabbitMQ
+        closes the whole connection (503) when the exchange type is unknown."""
+        probe = await Link.connect(self.pika_params)
+        try:
+            chan = await probe.channel()
+            await chan.apply(self.topology.plugin_ops())
+        except BrokerError as exc:
+            if probe.close_code == 503 or chan_code(exc) == 503:
+                log.info("no x-delayed-message plugin on the broker: using delay tiers")
+                return False
+            raise
+        finally:
+            await probe.close()
+        log.info("x-delayed-message plugin found: using it for delays")
+        return True
+
+    async def _admin_channel(self) -> Channel:
+        link = await self._connected()
+        if self._admin is None or not self._admin.is_open:
+            self._admin = await link.channel()
+        return self._admin
+
+    async def declare_queues(self, names: Iterable[str]) -> dict[str, str]:
+        """Declare and bind duebox queues not yet declared on this connection;
+        returns ``{name: error}`` for those that failed."""
+        errors: dict[str, str] = {}
+        for name in dict.fromkeys(names):
+            if name in self._declared:
+                continue
+            try:
+                admin = await self._admin_channel()  # connects: ``plugin`` is known after
+                await admin.apply(self.topology.queue_ops(name, bool(self.plugin)))
+            except (BrokerError, ValidationError) as exc:
+                errors[name] = f"declaring queue {name!r} failed: {exc}"
+                continue
+            self._declared.add(name)
+        return errors
+
+    async def _publishing(self) -> Publisher:
+        link = await self._connected()
+        pub = self._publisher
+        if pub is None or not pub.chan.is_open:
+            pub = self._publisher = await Publisher.start(await link.channel())
+        return pub
+
+    # --- publish -------------------------------------------------------------
+
+    async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
+        if not batch:
+            return []
+        start = time.monotonic()
+        await self._connected()  # an outage raises BrokerError: the relay backs off
+        queue_errors = await self.declare_queues(o.message.queue for o in batch)
+        pub = await self._publishing()
+        plugin = bool(self.plugin)
+        results: list[PublishResult | None] = [None] * len(batch)
+        waiting: list[tuple[int, asyncio.Future[str | None]]] = []
+        for i, out in enumerate(batch):
+            if i and i % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # let pika write what is encoded so far
+            msg = out.message
+            error = queue_errors.get(msg.queue)
+            if error is None:
+                try:
+                    # The delay counts from when the broker enqueues the message,
+                    # which is after this moment: time spent since the relay
+                    # computed it (>= ``start``) can come off, never more.
+                    delay = out.delay - (time.monotonic() - start) if out.delay > 0 else 0.0
+                    route = self.topology.route(msg.queue, delay, plugin)
+                    body = msg.encode()
+                    if len(body) > PAYLOAD_LIMIT:
+                        raise ValidationError("payload", f"must encode to at most "
+                                              f"{PAYLOAD_LIMIT} bytes on RabbitMQ", len(body))
+                    waiting.append((i, pub.send(route, body, properties(msg, route))))
+                    continue
+                except (ValidationError, BrokerError) as exc:
+                    error = str(exc)
+            results[i] = PublishResult(msg.job_id, False, error=error)
+        if waiting:
+            await asyncio.wait([f for _, f in waiting], timeout=self.confirm_timeout)
+        for i, fut in waiting:
+            msg = batch[i].message
+            if not fut.done():
+                fut.cancel()
+                error = f"no publisher confirm within {self.confirm_timeout:g} s"
+            else:
+                error = fut.result()
+            if error is None:
+                results[i] = PublishResult(msg.job_id, True, str(msg.job_id))
+            else:
+                if "unroutable" in error:
+                    self._declared.discard(msg.queue)  # declare it again next time
+                results[i] = PublishResult(msg.job_id, False, error=error)
+        return [r for r in results if r is not None]
+
+    # --- consume -------------------------------------------------------------
+
+    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+        names = list(dict.fromkeys(queues)) or ["default"]
+        for name in names:
+            check_queue_name(self.topology, name)
+        backoff = 0.2
+        while True:
+            try:
+                chan, inbox = await self._start_consuming(names, prefetch)
+            except BrokerError as exc:
+                log.warning("cannot consume from RabbitMQ (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.2
+            getter: asyncio.Future[Delivery] | None = None
+            try:
+                while True:
+                    getter = asyncio.ensure_future(inbox.get())
+                    await asyncio.wait({getter, chan.closed}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        break
+                    delivery, getter = getter.result(), None
+                    yield delivery
+            finally:
+                if getter is not None:
+                    getter.cancel()
+                if chan.is_open:
+                    with contextlib.suppress(Exception):
+                        chan.ch.close()
+                self._declared.difference_update(names)  # a deleted queue is declared again
+            log.warning("RabbitMQ consumer channel closed (%s); consuming again",
+                        describe(chan.closed.result()))
+
+    async def _start_consuming(self, names: list[str], prefetch: int
+                               ) -> tuple[Channel, asyncio.Queue[Delivery]]:
+        errors = await self.declare_queues(names)
+        if errors:
+            raise BrokerError("; ".join(errors.values()))
+        link = await self._connected()
+        chan = await link.channel()
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+
+        def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
+            inbox.put_nowait(delivery_from_body(
+                body, raw=(chan, method.delivery_tag), redelivered=bool(method.redelivered),
+                extra={"headers": props.headers or {}, "message_id": props.message_id,
+                       "exchange": method.exchange, "routing_key": method.routing_key}))
+
+        # Several queues share one prefetch window per channel (global qos);
+        # quorum queues only support per-consumer prefetch.
+        shared = len(names) > 1 and self.topology.queue_type == "classic"
+        await chan.rpc(chan.ch.basic_qos, prefetch_count=prefetch, global_qos=shared)
+        chan.ch.add_on_cancel_callback(lambda frame: chan.ch.close() if chan.is_open else None)
+        for name in names:
+            await chan.rpc(chan.ch.basic_consume, self.topology.queue(name), on_message)
+        return chan, inbox
+
+    async def ack(self, delivery: Delivery) -> None:
+        chan, tag = delivery.raw
+        chan.ack(tag)  # on a closed channel: the broker redelivers, the worker drops it
+
+    async def reject(self, delivery: Delivery, reason: str) -> None:
+        chan, tag = delivery.raw
+        if delivery.message is not None:  # stale, cancelled, duplicate: done with it
+            chan.ack(tag)
+        else:  # not a duebox message: keep it in the dead-letter queue
+            chan.reject(tag)
+
+    async def defer(self, delivery: Delivery, seconds: float) -> None:
+        """Publish the message again with the remaining delay, then ack it."""
+        if delivery.message is None:
+            await self.reject(delivery, "undecodable")
+            return
+        try:
+            result = (await self.publish([Outgoing(delivery.message, seconds)]))[0]
+            ok, error = result.ok, result.error
+        except BrokerError as exc:
+            ok, error = False, str(exc)
+        if ok:
+            await self.ack(delivery)
+            return
+        log.warning("could not defer job %s (%s); returning it to its queue",
+                    delivery.message.job_id, error)
+        await asyncio.sleep(min(max(seconds, 0.0), 1.0))
+        chan, tag = delivery.raw
+        chan.requeue(tag)
+
+
+def _positive(params: dict[str, str], name: str, default: float) -> float:
+    raw = params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"broker_url: {name} must be a number of seconds > 0 "
+                                 f"(got {raw!r})")
+    return value

@@ -1,0 +1,692 @@
+"""``redis://`` — a due-time sorted set in front of a stream with consumer groups.
+
+Redis is an index here, never the source of truth: the job table is.  Per
+queue (all keys of one queue share the hash tag ``{queue}``):
+
+``PREFIX:{Q}:due``   sorted set, member = job id, score = visible-at (epoch ms)
+``PREFIX:{Q}:msg``   hash, job id → encoded message, for members of ``due``
+``PREFIX:{Q}:ready`` stream read with the consumer group ``group``
+``PREFIX:{Q}:held``  hash, job id → ``"VERSION|LOCATION"`` where LOCATION is
+                     ``z`` (parked in ``due``) or the stream entry id
+``PREFIX:{Q}:wake``  pub/sub channel: a new earliest due time was parked
+
+The relay publishes with one Lua call per queue and batch: a message already
+due goes straight onto the stream, a later one is parked in ``due``.  The
+member is the job id, so a reschedule replaces the parked entry in place and a
+duplicate publish of a parked job adds nothing.  Workers run the *mover*: each
+sleeps until the earliest score (woken early on ``wake``) and a Lua script
+moves due members atomically onto the stream; several workers may run it at
+once.  Workers read with ``XREADGROUP``; ``ack`` is ``XACK`` + ``XDEL``.
+Entries left unacknowledged longer than ``claim_idle`` (their worker died) are
+taken over with ``XAUTOCLAIM`` and delivered again; the version-checked start
+and the SQL dedupe store drop what already ran or is still running.
+
+``held`` is what reconciliation reads: the relay asks, for the jobs the
+database says are ``ENQUEUED``, which ones Redis no longer holds, and publishes
+those again.  The key ``PREFIX:alive`` is a sentinel: when it is gone (Redis
+restarted without persistence, ``FLUSHALL``) the relay reconciles at once.
+
+URL: ``redis://[:password@]host:port/db?prefix=duebox&horizon=3600&group=duebox
+&claim_idle=30&max_delay=...``; other query parameters go to redis-py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from duebox.errors import BrokerError, ConfigurationError, MissingDependencyError
+
+from ._waiting import wait_any
+from .base import (
+    Broker,
+    BrokerContext,
+    Capabilities,
+    Delivery,
+    Outgoing,
+    PublishResult,
+    delivery_from_body,
+)
+
+try:
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError, ResponseError
+except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
+    raise MissingDependencyError("redis", "redis") from exc
+
+if TYPE_CHECKING:
+    from duebox.jobstore import EnqueuedRef
+
+log = logging.getLogger("duebox.brokers.redis")
+
+_OWN_PARAMS = ("prefix", "horizon", "group", "claim_idle", "max_delay")
+_MOVE_LIMIT = 1000  # members per mover call: bounds the time a script blocks Redis
+_PUBLISH_CHUNK = 1000
+_IDLE_WAKE = 1.0  # the mover looks at least this often, in case a wake was missed
+_PRUNE_EVERY = 600.0  # seconds between sweeps for consumers that left long ago
+
+# KEYS: due, msg, ready, held.  ARGV: now_ms, wake channel, then (id, version,
+# score_ms, body) per message.  Returns per message the stream entry id, "z"
+# (parked) or "stale" (Redis holds a newer version of the job: skipped).
+_PUBLISH = """
+local now = tonumber(ARGV[1])
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local oldmin = head[2] and tonumber(head[2])
+local ids = {}
+for i = 3, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
+local curs = redis.call('HMGET', KEYS[4], unpack(ids))
+local newmin = nil
+local zadd, msgs, held, out = {}, {}, {}, {}
+for n, id in ipairs(ids) do
+  local i = 3 + (n - 1) * 4
+  local ver, score, body = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
+  local cur = curs[n]
+  if cur and tonumber(string.match(cur, '^(%d+)|')) > ver then
+    out[n] = 'stale'
+  elseif score <= now then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
+    local eid = redis.call('XADD', KEYS[3], '*', 'id', id, 'v', ver, 'body', body)
+    redis.call('HSET', KEYS[4], id, ver .. '|' .. eid)
+    out[n] = eid
+  else
+    zadd[#zadd + 1] = score
+    zadd[#zadd + 1] = id
+    msgs[#msgs + 1] = id
+    msgs[#msgs + 1] = body
+    held[#held + 1] = id
+    held[#held + 1] = ver .. '|z'
+    if newmin == nil or score < newmin then newmin = score end
+    out[n] = 'z'
+  end
+end
+if #zadd > 0 then
+  redis.call('ZADD', KEYS[1], unpack(zadd))
+  redis.call('HSET', KEYS[2], unpack(msgs))
+  redis.call('HSET', KEYS[4], unpack(held))
+end
+if newmin and (oldmin == nil or newmin < oldmin) then
+  redis.call('PUBLISH', ARGV[2], tostring(newmin))
+end
+return out
+"""
+
+# KEYS: due, msg, ready, held.  ARGV: now_ms, limit.  Returns {moved, next score or nil}.
+_MOVE = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+if #ids > 0 then
+  local bodies = redis.call('HMGET', KEYS[2], unpack(ids))
+  local curs = redis.call('HMGET', KEYS[4], unpack(ids))
+  redis.call('ZREM', KEYS[1], unpack(ids))
+  redis.call('HDEL', KEYS[2], unpack(ids))
+  local held = {}
+  for n, id in ipairs(ids) do
+    if bodies[n] then
+      local ver = curs[n] and string.match(curs[n], '^(%d+)|') or '0'
+      local eid = redis.call('XADD', KEYS[3], '*', 'id', id, 'v', ver, 'body', bodies[n])
+      held[#held + 1] = id
+      held[#held + 1] = ver .. '|' .. eid
+    end
+  end
+  if #held > 0 then redis.call('HSET', KEYS[4], unpack(held)) end
+end
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {#ids, head[2] or false}
+"""
+
+# KEYS: ready, held.  ARGV: group, entry id, job id.
+_ACK = """
+redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+local cur = redis.call('HGET', KEYS[2], ARGV[3])
+if cur and string.match(cur, '|(.*)$') == ARGV[2] then redis.call('HDEL', KEYS[2], ARGV[3]) end
+return 1
+"""
+
+# KEYS: due, msg, ready, held.  ARGV: group, entry id, job id, version,
+# score_ms, body, wake channel.  Returns 1 if parked again, 0 if stale.
+_DEFER = """
+redis.pcall('XACK', KEYS[3], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[3], ARGV[2])
+local ver = tonumber(ARGV[4])
+local cur = redis.call('HGET', KEYS[4], ARGV[3])
+if cur and tonumber(string.match(cur, '^(%d+)|')) > ver then return 0 end
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local score = tonumber(ARGV[5])
+redis.call('ZADD', KEYS[1], score, ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[6])
+redis.call('HSET', KEYS[4], ARGV[3], ver .. '|z')
+if head[2] == nil or score < tonumber(head[2]) then redis.call('PUBLISH', ARGV[7], ARGV[5]) end
+return 1
+"""
+
+# KEYS: due, msg, ready, held.  ARGV: job ids.  Returns how many entries went.
+_CANCEL = """
+local n = 0
+for _, id in ipairs(ARGV) do
+  local cur = redis.call('HGET', KEYS[4], id)
+  n = n + redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
+  if cur then
+    local loc = string.match(cur, '|(.*)$')
+    if loc ~= 'z' then n = n + redis.call('XDEL', KEYS[3], loc) end
+    redis.call('HDEL', KEYS[4], id)
+  end
+end
+return n
+"""
+
+# KEYS: due, ready, held.  ARGV: (job id, version) pairs.  Returns the ids
+# whose message at that version is neither parked nor on the stream.
+_MISSING = """
+local out = {}
+for i = 1, #ARGV, 2 do
+  local id, ver = ARGV[i], ARGV[i + 1]
+  local cur = redis.call('HGET', KEYS[3], id)
+  local ok = false
+  if cur then
+    local v, loc = string.match(cur, '^(%d+)|(.*)$')
+    if v == ver then
+      if loc == 'z' then
+        ok = redis.call('ZSCORE', KEYS[1], id) ~= false
+      else
+        ok = #redis.call('XRANGE', KEYS[2], loc, loc) > 0
+      end
+    end
+  end
+  if not ok then out[#out + 1] = id end
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """What a ``redis://`` URL says.  ``client_url`` is the URL without duebox's
+    own parameters, for redis-py."""
+
+    client_url: str
+    prefix: str = "duebox"
+    horizon: float = 3600.0
+    group: str = "duebox"
+    claim_idle: float = 30.0
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisSettings:
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ConfigurationError(f"broker_url: must start with redis:// (got {url!r})")
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        own = {k: v for k, v in query if k in _OWN_PARAMS}
+        rest = [(k, v) for k, v in query if k not in _OWN_PARAMS]
+        for name in ("prefix", "group"):
+            value = own.get(name, "duebox")
+            if not value or any(c in value for c in "{}: \t\n"):
+                raise ConfigurationError(
+                    f"broker_url: {name} must be a non-empty name without braces, colons "
+                    f"or spaces (got {value!r})"
+                )
+        return cls(
+            client_url=urlunsplit(parts._replace(query=urlencode(rest))),
+            prefix=own.get("prefix", "duebox"),
+            horizon=_seconds("horizon", own.get("horizon", "3600"), minimum=0.0),
+            group=own.get("group", "duebox"),
+            claim_idle=_seconds("claim_idle", own.get("claim_idle", "30"), minimum=0.1),
+        )
+
+
+def _seconds(name: str, raw: str, minimum: float) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigurationError(
+            f"broker_url: {name} must be a number of seconds >= {minimum:g} (got {raw!r})"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class _Keys:
+    due: str
+    msg: str
+    ready: str
+    held: str
+    wake: str
+
+    @classmethod
+    def of(cls, prefix: str, queue: str) -> _Keys:
+        tag = f"{prefix}:{{{queue}}}"
+        return cls(f"{tag}:due", f"{tag}:msg", f"{tag}:ready", f"{tag}:held", f"{tag}:wake")
+
+
+def _reraise_lost_cancel() -> None:
+    """redis-py's asyncio client can swallow a cancellation that lands while a
+    command is in flight (redis/redis-py#2028, #2551; still so in 8.1): the
+    command returns normally and the task goes on.  Loops that call Redis
+    check here so a cancelled consumer or mover really stops."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisBroker(Broker):
+    capabilities = Capabilities(
+        name="redis",
+        max_delay=3600.0,
+        delay_precision=0.001,
+        cancel=True,
+        ordering="by due time, ties by job id, within a queue; concurrent workers interleave",
+        durability="Redis's own: none without AOF; the database is the source of truth and "
+                   "the relay's reconciliation publishes again what Redis lost",
+        payload_limit=512 * 1024 * 1024,
+        redelivers_unacked=True,
+        in_flight_after_cancel="broker.cancel() removes a parked or unread entry; one already "
+                               "read is discarded by the version check; a reschedule replaces "
+                               "the parked entry in place",
+    )
+
+    def __init__(self, url: str, context: BrokerContext) -> None:
+        self.settings = RedisSettings.from_url(url)
+        self.capabilities = replace(type(self).capabilities, max_delay=self.settings.horizon)
+        super().__init__(url, context)
+        self.consumer = context.worker_name
+        self.reclaimed = 0  # deliveries taken over from idle consumers (tests, metrics)
+        self._client: aioredis.Redis | None = None
+        self._scripts: dict[str, Any] = {}
+        self._in_flight: dict[str, str] = {}  # stream entry id -> queue
+        self._freed = asyncio.Event()
+        self._cursors: dict[str, str] = {}
+
+    # --- connection -----------------------------------------------------------
+
+    def _where(self) -> str:
+        parts = urlsplit(self.settings.client_url)
+        host = parts.hostname or "localhost"
+        return f"redis at {host}:{parts.port or 6379}{parts.path or ''}"
+
+    async def open(self) -> None:
+        if self._client is not None:
+            return
+        options: dict[str, Any] = {"protocol": 2}
+        if "client_name" not in urlsplit(self.settings.client_url).query:
+            # CLIENT LIST then shows which duebox process holds a connection.
+            options["client_name"] = "".join(
+                c if c.isalnum() or c in "-_.:#" else "_"
+                for c in f"{self.settings.prefix}:{self.consumer}")
+        try:
+            client = aioredis.Redis.from_url(self.settings.client_url, **options)
+        except ValueError as exc:
+            raise ConfigurationError(f"broker_url: {exc}") from exc
+        try:
+            await client.ping()
+        except RedisError as exc:
+            await client.aclose()
+            raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
+        self._scripts = {
+            name: client.register_script(src)
+            for name, src in (("publish", _PUBLISH), ("move", _MOVE), ("ack", _ACK),
+                              ("defer", _DEFER), ("cancel", _CANCEL), ("missing", _MISSING))
+        }
+        self._client = client
+        with contextlib.suppress(RedisError):  # CONFIG may be disabled (managed Redis)
+            policy = (await client.config_get("maxmemory-policy")).get("maxmemory-policy")
+            if policy and _text(policy).startswith("allkeys"):
+                log.warning("%s evicts keys under memory pressure (maxmemory-policy=%s): "
+                            "use noeviction; duebox keys carry no TTL", self._where(),
+                            _text(policy))
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await client.aclose()
+
+    async def _redis(self) -> aioredis.Redis:
+        if self._client is None:
+            await self.open()
+        assert self._client is not None
+        return self._client
+
+    def keys(self, queue: str) -> _Keys:
+        return _Keys.of(self.settings.prefix, queue)
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return self._scripts[name](keys=keys, args=args)
+
+    # --- relay side -------------------------------------------------------------
+
+    async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
+        client = await self._redis()
+        by_queue: dict[str, list[int]] = {}
+        for i, out in enumerate(batch):
+            by_queue.setdefault(out.message.queue, []).append(i)
+        results: list[PublishResult | None] = [None] * len(batch)
+        errors: list[RedisError] = []
+        for queue, indexes in by_queue.items():
+            k = self.keys(queue)
+            for start in range(0, len(indexes), _PUBLISH_CHUNK):
+                chunk = indexes[start:start + _PUBLISH_CHUNK]
+                now_ms = self.context.clock.now().timestamp() * 1000.0
+                args: list[Any] = [math.floor(now_ms), k.wake]
+                for i in chunk:
+                    out = batch[i]
+                    # Delay 0 means already due: straight onto the stream.  A
+                    # later one is parked, rounded up to the millisecond.
+                    score = (math.floor(now_ms) if out.delay <= 0
+                             else math.ceil(now_ms + out.delay * 1000.0))
+                    args += [str(out.message.job_id), out.message.version, score,
+                             out.message.encode()]
+                try:
+                    # The queue names, for cancel(); renewed every call, so a
+                    # Redis that lost its data relearns them.
+                    await client.sadd(f"{self.settings.prefix}:queues", queue)
+                    placed = await self._run("publish", [k.due, k.msg, k.ready, k.held], args)
+                except RedisError as exc:
+                    errors.append(exc)
+                    for i in chunk:
+                        results[i] = PublishResult(batch[i].message.job_id, False, error=str(exc))
+                    continue
+                for i, where in zip(chunk, placed, strict=True):
+                    where = _text(where)
+                    results[i] = PublishResult(batch[i].message.job_id, True,
+                                               None if where in ("z", "stale") else where)
+        if errors and len(errors) == sum(
+            math.ceil(len(ix) / _PUBLISH_CHUNK) for ix in by_queue.values()
+        ):
+            raise BrokerError(f"{self._where()} refused the publish: {errors[0]}") from errors[0]
+        return [r for r in results if r is not None]
+
+    async def cancel(self, job_ids: Sequence[uuid.UUID]) -> int:
+        """Drop cancelled jobs' entries: parked ones and stream entries no worker
+        has read (one being read is discarded by the worker's version check)."""
+        if not job_ids:
+            return 0
+        client = await self._redis()
+        ids = [str(j) for j in job_ids]
+        try:
+            queues = await client.smembers(f"{self.settings.prefix}:queues")
+            total = 0
+            for q in sorted(_text(q) for q in queues):
+                k = self.keys(q)
+                total += int(await self._run("cancel", [k.due, k.msg, k.ready, k.held], ids))
+        except RedisError as exc:
+            raise BrokerError(f"{self._where()}: cancel failed: {exc}") from exc
+        return total
+
+    async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
+        await self._redis()
+        by_queue: dict[str, list[EnqueuedRef]] = {}
+        for ref in jobs:
+            by_queue.setdefault(ref.queue, []).append(ref)
+        gone: list[uuid.UUID] = []
+        try:
+            for queue, refs in by_queue.items():
+                k = self.keys(queue)
+                args: list[Any] = []
+                for ref in refs:
+                    args += [str(ref.id), str(ref.version)]
+                found = await self._run("missing", [k.due, k.ready, k.held], args)
+                gone += [uuid.UUID(_text(x)) for x in found]
+        except RedisError as exc:
+            raise BrokerError(f"{self._where()}: reconciliation failed: {exc}") from exc
+        return gone
+
+    async def data_lost(self) -> bool:
+        """True once after the sentinel key vanished (and on first use against
+        an empty Redis, when reconciling is cheap and harmless)."""
+        client = await self._redis()
+        try:
+            return bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
+        except RedisError as exc:
+            raise BrokerError(f"{self._where()}: {exc}") from exc
+
+    # --- worker side ------------------------------------------------------------
+
+    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+        names = list(queues) or ["default"]
+        client = await self._redis()
+        stop = asyncio.Event()
+        mover = asyncio.create_task(self._mover(names, stop), name="duebox-redis-mover")
+        ready = False
+        next_reclaim = next_prune = 0.0
+        backoff = 0.1
+        try:
+            while True:
+                _reraise_lost_cancel()
+                room = prefetch - len(self._in_flight)
+                if room <= 0:
+                    await wait_any(_IDLE_WAKE, self._freed)
+                    self._freed.clear()
+                    continue
+                try:
+                    if not ready:
+                        await self._ensure_groups(client, names)
+                        ready = True
+                    batch: list[Delivery] = []
+                    if time.monotonic() >= next_reclaim:
+                        next_reclaim = time.monotonic() + self.settings.claim_idle / 2
+                        batch = await self._reclaim(client, names, room)
+                    if time.monotonic() >= next_prune:
+                        next_prune = time.monotonic() + _PRUNE_EVERY
+                        with contextlib.suppress(RedisError):  # housekeeping only
+                            await self._prune_consumers(client, names)
+                    if not batch:
+                        block = max(1, int(min(1.0, next_reclaim - time.monotonic()) * 1000))
+                        batch = await self._read(client, names, room, block)
+                    backoff = 0.1
+                except ResponseError as exc:
+                    if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
+                        raise BrokerError(f"{self._where()}: {exc}") from exc
+                    ready = False  # Redis lost the stream and its group: make them again
+                    continue
+                except RedisError as exc:
+                    _reraise_lost_cancel()
+                    log.warning("%s: read failed (%s); retrying in %.1fs",
+                                self._where(), exc, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                _reraise_lost_cancel()
+                for delivery in batch:
+                    yield delivery
+        finally:
+            stop.set()
+            mover.cancel()
+            await asyncio.wait({mover}, timeout=2.0)
+
+    async def _ensure_groups(self, client: aioredis.Redis, names: list[str]) -> None:
+        for q in names:
+            try:
+                # From "0", not "$": entries added before the group existed
+                # (after Redis lost everything) are delivered too.
+                await client.xgroup_create(self.keys(q).ready, self.settings.group, id="0",
+                                           mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def _delivery(self, queue: str, eid: bytes | str, fields: dict[Any, Any] | None,
+                  redelivered: bool) -> Delivery:
+        entry = _text(eid)
+        fields = fields or {}
+        self._in_flight[entry] = queue
+        job = _text(fields.get(b"id", b""))
+        return delivery_from_body(fields.get(b"body", b""), raw=entry, redelivered=redelivered,
+                                  extra={"queue": queue, "entry": entry, "job": job})
+
+    async def _read(self, client: aioredis.Redis, names: list[str], room: int,
+                    block_ms: int) -> list[Delivery]:
+        streams = {self.keys(q).ready: ">" for q in names}
+        by_stream = {self.keys(q).ready: q for q in names}
+        count = max(1, room // len(names))
+        reply: Any = await client.xreadgroup(self.settings.group, self.consumer,
+                                             streams,  # type: ignore[arg-type]
+                                             count=count, block=block_ms)
+        out = []
+        for stream, entries in reply or []:
+            queue = by_stream[_text(stream)]
+            for eid, fields in entries:
+                out.append(self._delivery(queue, eid, fields, redelivered=False))
+        return out
+
+    async def _reclaim(self, client: aioredis.Redis, names: list[str],
+                       room: int) -> list[Delivery]:
+        """Take over entries unacknowledged for longer than ``claim_idle``: their
+        worker died, or its handler is still running (then the start finds the
+        job RUNNING and the redelivery is discarded), or it failed to settle
+        them.  Our own such entries are delivered again too."""
+        idle_ms = int(self.settings.claim_idle * 1000)
+        out: list[Delivery] = []
+        for q in names:
+            if len(out) >= room:
+                break
+            reply = await client.xautoclaim(self.keys(q).ready, self.settings.group,
+                                            self.consumer, idle_ms,
+                                            start_id=self._cursors.get(q, "0-0"),
+                                            count=room - len(out))
+            self._cursors[q] = _text(reply[0])
+            for eid, fields in reply[1]:
+                if not fields:  # deleted meanwhile (Redis < 7 reports them so)
+                    continue
+                self.reclaimed += 1
+                log.info("took over entry %s of queue %s from an idle consumer", _text(eid), q)
+                out.append(self._delivery(q, eid, fields, redelivered=True))
+        return out
+
+    async def _prune_consumers(self, client: aioredis.Redis, names: list[str]) -> None:
+        """Forget consumers with nothing pending that were idle for an hour (or
+        ten claim periods): dead workers' names would pile up otherwise."""
+        limit_ms = max(3600.0, 10 * self.settings.claim_idle) * 1000
+        for q in names:
+            stream = self.keys(q).ready
+            for c in await client.xinfo_consumers(stream, self.settings.group):
+                name = _text(c["name"])
+                if name != self.consumer and not c["pending"] and c["idle"] > limit_ms:
+                    await client.xgroup_delconsumer(stream, self.settings.group, name)
+
+    async def _mover(self, names: list[str], stop: asyncio.Event) -> None:
+        """Sleep until the earliest parked score, then move what is due onto the
+        streams; a publish that parks an earlier job wakes this early (pub/sub)."""
+        client = await self._redis()
+        wake = asyncio.Event()
+        listener: asyncio.Task[None] | None = None
+        pubsub: Any = None
+        backoff = 0.1
+        try:
+            while not stop.is_set():
+                _reraise_lost_cancel()
+                try:
+                    if listener is None or listener.done():
+                        if pubsub is not None:
+                            with contextlib.suppress(RedisError, OSError):
+                                await pubsub.aclose()
+                        pubsub = client.pubsub()
+                        await pubsub.subscribe(*(self.keys(q).wake for q in names))
+                        listener = asyncio.create_task(self._listen(pubsub, wake))
+                    wait = await self.move_due(names)
+                    await wait_any(wait, wake, stop)
+                    wake.clear()
+                    backoff = 0.1
+                except RedisError as exc:
+                    _reraise_lost_cancel()
+                    log.warning("%s: mover failed (%s); retrying in %.1fs",
+                                self._where(), exc, backoff)
+                    await wait_any(backoff, stop)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            if listener is not None:
+                # redis-py may swallow a cancel during a pub/sub read; closing
+                # the connection ends the read either way.
+                listener.cancel()
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+                await asyncio.wait({listener}, timeout=1.0)
+
+    @staticmethod
+    async def _listen(pubsub: Any, wake: asyncio.Event) -> None:
+        try:
+            while True:
+                if await pubsub.get_message(ignore_subscribe_messages=True, timeout=None):
+                    wake.set()
+        except (RedisError, OSError) as exc:  # the mover subscribes again
+            log.debug("wake-up subscription ended: %s", exc)
+            wake.set()
+
+    async def move_due(self, queues: Sequence[str]) -> float:
+        """Move every due parked member onto its stream; return the seconds until
+        the next one is due (at most a second)."""
+        await self._redis()
+        wait = _IDLE_WAKE
+        for q in queues:
+            k = self.keys(q)
+            while True:
+                now_ms = self.context.clock.now().timestamp() * 1000.0
+                moved, head = await self._run("move", [k.due, k.msg, k.ready, k.held],
+                                              [math.floor(now_ms), _MOVE_LIMIT])
+                if int(moved) < _MOVE_LIMIT:
+                    break
+            if head is not None:
+                wait = min(wait, (float(head) - now_ms) / 1000.0)
+        return max(0.0, wait)
+
+    # --- settling a delivery ------------------------------------------------------
+
+    def _settle(self, delivery: Delivery) -> tuple[_Keys, str, str] | None:
+        entry = delivery.extra.get("entry")
+        queue = delivery.extra.get("queue")
+        if entry is None or queue is None:
+            return None
+        if self._in_flight.pop(entry, None) is not None:
+            self._freed.set()
+        return self.keys(queue), entry, delivery.extra.get("job", "")
+
+    async def ack(self, delivery: Delivery) -> None:
+        settled = self._settle(delivery)
+        if settled is None:
+            return
+        k, entry, job = settled
+        try:
+            await self._run("ack", [k.ready, k.held], [self.settings.group, entry, job])
+        except RedisError as exc:
+            # The entry stays pending; it is taken over after claim_idle and
+            # the redelivery is discarded by the version check.
+            log.warning("%s: ack of %s failed: %s", self._where(), entry, exc)
+
+    async def reject(self, delivery: Delivery, reason: str) -> None:
+        if reason == "locked":  # the row was busy, not gone: look again shortly
+            await self.defer(delivery, 1.0)
+        else:
+            await self.ack(delivery)
+
+    async def defer(self, delivery: Delivery, seconds: float) -> None:
+        """Park the message again for ``seconds`` (XACK + XDEL + ZADD, atomically)."""
+        msg = delivery.message
+        if msg is None:
+            await self.ack(delivery)
+            return
+        settled = self._settle(delivery)
+        if settled is None:
+            return
+        k, entry, job = settled
+        now_ms = self.context.clock.now().timestamp() * 1000.0
+        score = math.ceil(now_ms + max(0.0, seconds) * 1000.0)
+        try:
+            await self._run("defer", [k.due, k.msg, k.ready, k.held],
+                            [self.settings.group, entry, job or str(msg.job_id), msg.version,
+                             score, msg.encode(), k.wake])
+        except RedisError as exc:
+            log.warning("%s: defer of %s failed: %s", self._where(), entry, exc)

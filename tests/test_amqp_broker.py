@@ -1,0 +1,984 @@
+"""The ``amqp://`` backend: its topology as data, the plugin path against a
+fake pika connection, and the tier topology against a real RabbitMQ.
+
+The real-broker tests run in a vhost of their own (created with
+``rabbitmqctl`` and deleted at the end); each test uses its own duebox queue
+names, or its own ``?prefix=`` when it looks at shared objects.  Under
+``CI=true`` an unreachable RabbitMQ fails them instead of skipping them.  The
+restart test stops the broker with ``rabbitmqctl stop_app`` and starts it
+again in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+import pika
+import pika.exceptions
+import pika.frame
+import pika.spec
+import pytest
+from conftest import reset_tables, service_missing
+from helpers import (
+    cancel_committed,
+    check_no_early_start,
+    create_effects,
+    effect_rows,
+    effect_values,
+    effects,
+    job_row,
+    schedule_committed,
+    us,
+)
+
+import duebox
+from duebox.brokers import amqp_link
+from duebox.brokers.amqp import AMQPBroker
+from duebox.brokers.amqp_topology import (
+    LEVELS,
+    MAX_DELAY_MS,
+    ExchangeBind,
+    ExchangeDecl,
+    QueueBind,
+    QueueDecl,
+    Topology,
+    delay_ms,
+    tier_key,
+)
+from duebox.brokers.base import Delivery, Outgoing
+from duebox.consumers import Worker
+from duebox.errors import ConfigurationError, ValidationError
+from duebox.message import JobMessage
+from duebox.registry import broker_class
+from duebox.relay import Relay
+
+AMQP = os.environ.get("DUEBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
+PROCS = Path(__file__).parent / "procs"
+
+
+# --- fixtures and helpers ------------------------------------------------------
+
+
+def rabbitmqctl(*args: str, timeout: float = 60) -> None:
+    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True,
+                   timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def amqp_vhost() -> Iterator[str]:
+    """A fresh vhost for this test session: its URL, without query."""
+    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
+    user = urlsplit(AMQP).username or "guest"
+    url = f"{AMQP.rstrip('/')}/{name}"
+    created = False
+    try:
+        try:
+            rabbitmqctl("add_vhost", name)
+            created = True
+            rabbitmqctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
+            pika.BlockingConnection(pika.URLParameters(url)).close()
+        except (OSError, subprocess.SubprocessError, pika.exceptions.AMQPError) as exc:
+            service_missing("RabbitMQ (with rabbitmqctl)", RuntimeError(f"{url}: {exc!r}"))
+        yield url
+    finally:
+        if created:
+            rabbitmqctl("delete_vhost", name)
+
+
+@pytest.fixture
+def amqp_url(amqp_vhost: str) -> str:
+    """The shared test vhost with the default topology (prefix ``duebox``)."""
+    return amqp_vhost
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A migrated SQLite file, for tests that are about the broker only."""
+    url = f"sqlite:///{tmp_path}/duebox.db"
+    reset_tables(url)
+    return url
+
+
+async def until(predicate: Callable[[], Any], *, seconds: float, what: str,
+                interval: float = 0.05, check: Callable[[], None] | None = None) -> Any:
+    """Poll ``predicate`` (in a thread: it may query the database) until it
+    returns something truthy; fail naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if check is not None:
+            check()
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def unique(stem: str = "q") -> str:
+    return f"{stem}{uuid.uuid4().hex[:10]}"
+
+
+@contextlib.contextmanager
+def admin(url: str) -> Iterator[Any]:
+    """A plain blocking pika channel on the test vhost, for looking and meddling."""
+    conn = pika.BlockingConnection(pika.URLParameters(url.split("?")[0]))
+    try:
+        yield conn.channel()
+    finally:
+        conn.close()
+
+
+def message_count(url: str, queue: str) -> int:
+    with admin(url) as ch:
+        return int(ch.queue_declare(queue, passive=True).method.message_count)
+
+
+MakeApp = Callable[..., duebox.Duebox]
+
+
+@pytest.fixture
+def make_app() -> Iterator[MakeApp]:
+    """:func:`amqp_app`, with every app's engine disposed of at teardown."""
+    made: list[duebox.Duebox] = []
+
+    def make(database_url: str, broker_url: str, queue: str, **settings: Any) -> duebox.Duebox:
+        made.append(amqp_app(database_url, broker_url, queue, **settings))
+        return made[-1]
+
+    yield make
+    for app in made:
+        app.dispose()
+
+
+def amqp_app(database_url: str, broker_url: str, queue: str, **settings: Any) -> duebox.Duebox:
+    """An app whose ``effect`` task (on ``queue``) writes one effects row
+    through ``ctx.session``: the primary key makes every effect countable."""
+    values: dict[str, Any] = {"poll_interval": 0.1, "lease_seconds": 5.0,
+                              "clock_skew_margin": 0.2, "batch_size": 100}
+    values.update(settings)
+    app = duebox.Duebox(database_url, broker_url, settings=duebox.Settings(**values))
+
+    @app.task("effect", queue=queue)
+    def effect(payload: Any, ctx: duebox.JobContext) -> None:
+        ctx.session.execute(effects.insert().values(effect_values(ctx)))
+
+    create_effects(app.engine)
+    return app
+
+
+def message(queue: str, delay: float = 0.0, **kw: Any) -> JobMessage:
+    return JobMessage(job_id=uuid.uuid4(), task="effect", queue=queue, version=1, attempt=0,
+                      due_at=datetime.now(UTC) + timedelta(seconds=delay), payload=kw)
+
+
+def broker(url: str, name: str = "test") -> AMQPBroker:
+    b = duebox.Duebox(database_url="sqlite://", broker_url=url).broker(name)
+    assert isinstance(b, AMQPBroker)
+    return b
+
+
+class Collector:
+    """Consumes with ``broker.consume`` in the background, acking everything."""
+
+    @classmethod
+    async def ready(cls, b: AMQPBroker, pub: AMQPBroker, queue: str) -> Collector:
+        """Start consuming, and return once a first message went through."""
+        self = cls(b, [queue])
+        [r] = await pub.publish([Outgoing(message(queue), 0.0)])
+        assert r.ok, r
+        await self.wait(1, within=15)
+        self.got.clear()
+        return self
+
+    def __init__(self, b: AMQPBroker, queues: list[str]) -> None:
+        self.broker = b
+        self.got: list[tuple[float, Delivery]] = []
+        self.task = asyncio.create_task(self._run(queues))
+
+    async def _run(self, queues: list[str]) -> None:
+        async for d in self.broker.consume(queues, 50):
+            self.got.append((time.time(), d))
+            await self.broker.ack(d)
+
+    async def wait(self, n: int, within: float) -> list[tuple[float, Delivery]]:
+        await until(lambda: len(self.got) >= n or self.task.done(), seconds=within,
+                    what=f"{n} deliveries", interval=0.01)
+        if self.task.done():
+            self.task.result()
+        return self.got
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self.broker.close()
+
+
+async def start(*parts: Relay | Worker) -> tuple[asyncio.Event, list[asyncio.Task[None]]]:
+    """Run relays and workers; return once each is connected (and each worker
+    consuming), so a test's timings do not include their start-up."""
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(p.run(stop)) for p in parts]
+
+    def ready() -> bool:
+        return all(p.broker._link is not None  # type: ignore[attr-defined]
+                   and (isinstance(p, Relay) or set(p.queues) <= p.broker._declared)  # type: ignore[attr-defined]
+                   for p in parts)
+
+    await until(ready, seconds=20, what="relays and workers connected", check=alive(tasks))
+    return stop, tasks
+
+
+async def finish(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
+    stop.set()
+    for r in await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30):
+        if isinstance(r, BaseException):
+            raise r
+
+
+def alive(tasks: list[asyncio.Task[None]]) -> Callable[[], None]:
+    def check() -> None:
+        for t in tasks:
+            if t.done():
+                t.result()
+                raise AssertionError("a relay or worker stopped on its own")
+    return check
+
+
+def diagnose(app: duebox.Duebox, ids: list[uuid.UUID], url: str, relay: Relay,
+             worker: Worker) -> str:
+    """What a stuck job looks like, for a failure message."""
+    rows = [job_row(app.engine, i) for i in ids]
+    stuck = [(str(r.id)[-6:], str(r.state), r.version, r.attempt) for r in rows
+             if str(r.state) != "SUCCEEDED"]
+    t = Topology()
+    with admin(url) as ch:
+        counts = {name: ch.queue_declare(name, passive=True).method.message_count
+                  for name in [t.dead_letter, *(t.tier_queue(j, d) for j in range(3)
+                                                for d in range(1, 16))]}
+    return (f"stuck={stuck} queues={ {k: v for k, v in counts.items() if v} } "
+            f"relay={relay.totals} worker={worker.stats}")
+
+
+def state(app: duebox.Duebox, job_id: uuid.UUID) -> str:
+    return str(job_row(app.engine, job_id).state)
+
+
+def succeeded(app: duebox.Duebox, ids: list[uuid.UUID]) -> Callable[[], bool]:
+    return lambda: all(state(app, i) == "SUCCEEDED" for i in ids)
+
+
+# --- configuration ---------------------------------------------------------------
+
+
+def test_registry_maps_amqp_and_amqps() -> None:
+    assert broker_class("amqp://h/") is AMQPBroker
+    assert broker_class("amqps://h/") is AMQPBroker
+    b = broker("amqps://u:p@example.com/vh?heartbeat=5&prefix=app&max_delay=60")
+    assert b.pika_params.ssl_options is not None
+    assert b.pika_params.port == 5671
+    assert b.pika_params.heartbeat == 5
+    assert b.pika_params.virtual_host == "vh"
+    assert b.topology.prefix == "app"
+    assert b.max_delay == 60
+    assert b.capabilities.max_delay == MAX_DELAY_MS / 1000 == 4294967.295
+    assert b.capabilities.delay_precision == 0.001
+
+
+@pytest.mark.parametrize(("query", "field"), [
+    ("delay_mode=sometimes", "delay_mode"),
+    ("queue_type=stream", "queue_type"),
+    ("prefix=a%20b", "prefix"),
+    ("confirm_timeout=-1", "confirm_timeout"),
+    ("max_delay=5000000", "max_delay"),
+    ("frobnicate=1", "frobnicate"),
+])
+def test_bad_url_parameters_name_the_field(query: str, field: str) -> None:
+    with pytest.raises(ConfigurationError, match=field):
+        broker(f"amqp://h/?{query}")
+
+
+# --- the topology as data ----------------------------------------------------------
+
+
+def test_delays_become_milliseconds_rounded_up_and_capped() -> None:
+    assert delay_ms(0) == 0
+    assert delay_ms(-1) == 0
+    assert delay_ms(0.0001) == 1
+    assert delay_ms(0.001) == 1
+    assert delay_ms(1.0) == 1000
+    assert delay_ms(0.4161) == 417
+    assert delay_ms(10**9) == MAX_DELAY_MS == 2**32 - 1
+    assert tier_key(0x1A0) == "0.0.0.0.0.1.a.0"
+    assert tier_key(MAX_DELAY_MS) == ".".join("f" * LEVELS)
+
+
+def _topic_match(pattern: str, key: str) -> bool:
+    """AMQP topic matching: ``*`` is one word, ``#`` zero or more."""
+    def match(p: list[str], k: list[str]) -> bool:
+        if not p:
+            return not k
+        if p[0] == "#":
+            return any(match(p[1:], k[i:]) for i in range(len(k) + 1))
+        return bool(k) and p[0] in ("*", k[0]) and match(p[1:], k[1:])
+    return match(pattern.split("."), key.split("."))
+
+
+def simulate(ops: list[Any], exchange: str, key: str) -> tuple[list[str], int]:
+    """Follow a message through declared exchanges, bindings and dead-letter
+    queues (a tiny topic router): the queues it stops in and the total TTL."""
+    queues = {o.name: o for o in ops if isinstance(o, QueueDecl)}
+    binds = [o for o in ops if isinstance(o, QueueBind | ExchangeBind)]
+    path: list[str] = []
+    ttl = 0
+    while True:
+        frontier, targets = [exchange], []
+        while frontier:
+            x = frontier.pop()
+            for b in binds:
+                src = b.exchange if isinstance(b, QueueBind) else b.source
+                if src == x and _topic_match(b.routing_key, key):
+                    if isinstance(b, QueueBind):
+                        targets.append(b.queue)
+                    else:
+                        frontier.append(b.destination)
+        assert len(targets) == 1, (exchange, key, targets)
+        q = queues[targets[0]]
+        path.append(q.name)
+        if "x-message-ttl" not in q.arguments:
+            return path, ttl
+        ttl += q.arguments["x-message-ttl"]
+        exchange = q.arguments["x-dead-letter-exchange"]
+
+
+def test_tier_topology_routes_every_delay_through_its_digits() -> None:
+    t = Topology()
+    ops = t.base_ops() + t.tier_ops() + t.queue_ops("orders", plugin=False)
+    tiers = [o for o in ops if isinstance(o, QueueDecl) and ".delay." in o.name]
+    assert len(tiers) == LEVELS * 15  # bounded, whatever the delays
+    assert {o.arguments["x-message-ttl"] for o in tiers} == {
+        d * 16**j for j in range(LEVELS) for d in range(1, 16)}
+    for o in tiers:
+        long_wait = o.arguments["x-message-ttl"] >= 16**4
+        assert (o.arguments.get("x-queue-mode") == "lazy") is long_wait
+        assert (o.arguments.get("x-queue-version") == 2) is long_wait
+    rng = random.Random(7)
+    samples = [1, 15, 16, 0x1A0, 1000, 2047, 86_400_000, 30 * 86_400_000, MAX_DELAY_MS]
+    for ms in samples + [rng.randrange(1, MAX_DELAY_MS) for _ in range(200)]:
+        route = t.route("orders", ms / 1000, plugin=False)
+        assert route.mandatory
+        assert route.exchange == "duebox.delay.8"
+        assert route.delay_ms == ms
+        path, total = simulate(ops, route.exchange, route.routing_key)
+        assert total == ms, ms
+        assert path == [*t.stops(ms), "duebox.q.orders"]
+        assert len(path) - 1 <= LEVELS
+
+
+def test_immediate_route_is_mandatory_on_the_direct_exchange() -> None:
+    t = Topology(prefix="app")
+    for plugin in (False, True):
+        r = t.route("orders", 0.0, plugin)
+        assert (r.exchange, r.routing_key, r.mandatory, r.headers) == (
+            "app.direct", "orders", True, {})
+
+
+def test_plugin_declarations_and_headers() -> None:
+    t = Topology()
+    assert t.plugin_ops() == [ExchangeDecl("duebox.delayed", "x-delayed-message",
+                                           {"x-delayed-type": "direct"})]
+    assert QueueBind("duebox.q.orders", "duebox.delayed", "orders") in t.queue_ops(
+        "orders", plugin=True)
+    r = t.route("orders", 2.5001, plugin=True)
+    assert (r.exchange, r.routing_key, r.headers, r.mandatory) == (
+        "duebox.delayed", "orders", {"x-delay": 2501}, False)
+
+
+def test_queue_names_that_cannot_work_are_refused() -> None:
+    t = Topology()
+    for bad in ("a.#", "*", "x" * 250):
+        with pytest.raises(ValidationError, match="queue"):
+            t.route(bad, 1.0, plugin=False)
+    assert t.route("a.b-c:d", 1.0, plugin=False).routing_key.endswith(".a.b-c:d")
+
+
+def test_quorum_arguments() -> None:
+    t = Topology(queue_type="quorum")
+    tier = next(o for o in t.tier_ops() if isinstance(o, QueueDecl))
+    assert tier.arguments["x-queue-type"] == "quorum"
+    assert tier.arguments["x-dead-letter-strategy"] == "at-least-once"
+    assert tier.arguments["x-overflow"] == "reject-publish"
+    assert "x-queue-mode" not in tier.arguments
+    q = t.queue_ops("orders", plugin=False)[0]
+    assert isinstance(q, QueueDecl)
+    assert q.arguments["x-queue-type"] == "quorum"
+
+
+# --- the plugin path against a fake pika connection ----------------------------------
+
+
+class FakeChannel:
+    def __init__(self, conn: FakeConnection, number: int) -> None:
+        self.conn = conn
+        self.number = number
+        self.is_open = True
+        self.close_callbacks: list[Callable[..., Any]] = []
+        self.return_callbacks: list[Callable[..., Any]] = []
+        self.confirm: Callable[..., Any] | None = None
+        self.tag = 0
+
+    def _reply(self, callback: Callable[..., Any] | None, method: Any = None) -> None:
+        if callback is not None:
+            self.conn.loop.call_soon(callback, pika.frame.Method(self.number, method))
+
+    def add_on_close_callback(self, cb: Callable[..., Any]) -> None:
+        self.close_callbacks.append(cb)
+
+    def add_on_return_callback(self, cb: Callable[..., Any]) -> None:
+        self.return_callbacks.append(cb)
+
+    def add_on_cancel_callback(self, cb: Callable[..., Any]) -> None:
+        pass
+
+    def exchange_declare(self, exchange: str, exchange_type: str, durable: bool = False,
+                         internal: bool = False, arguments: Any = None,
+                         callback: Any = None) -> None:
+        self.conn.calls.append(("exchange_declare", exchange, exchange_type, durable, internal,
+                                arguments))
+        if exchange_type == "x-delayed-message" and not self.conn.plugin:
+            self.conn.loop.call_soon(self.conn.kill, 503,
+                                     "COMMAND_INVALID - unknown exchange type "
+                                     "'x-delayed-message'")
+            return
+        self._reply(callback)
+
+    def queue_declare(self, queue: str, durable: bool = False, arguments: Any = None,
+                      callback: Any = None) -> None:
+        self.conn.calls.append(("queue_declare", queue, durable, arguments))
+        self._reply(callback)
+
+    def queue_bind(self, queue: str, exchange: str, routing_key: str,
+                   callback: Any = None) -> None:
+        self.conn.calls.append(("queue_bind", queue, exchange, routing_key))
+        self._reply(callback)
+
+    def exchange_bind(self, destination: str, source: str, routing_key: str,
+                      callback: Any = None) -> None:
+        self.conn.calls.append(("exchange_bind", destination, source, routing_key))
+        self._reply(callback)
+
+    def confirm_delivery(self, ack_nack_callback: Any, callback: Any = None) -> None:
+        self.confirm = ack_nack_callback
+        self._reply(callback)
+
+    def basic_publish(self, exchange: str, routing_key: str, body: bytes, properties: Any,
+                      mandatory: bool = False) -> None:
+        self.tag += 1
+        self.conn.calls.append(("basic_publish", exchange, routing_key, properties, mandatory))
+        outcome = self.conn.outcomes.pop(0) if self.conn.outcomes else "ack"
+        if outcome == "return":
+            for cb in self.return_callbacks:
+                self.conn.loop.call_soon(cb, self, pika.spec.Basic.Return(
+                    312, "NO_ROUTE", exchange, routing_key), properties, body)
+        method = (pika.spec.Basic.Nack if outcome == "nack" else pika.spec.Basic.Ack)(
+            delivery_tag=self.tag)
+        assert self.confirm is not None
+        self.conn.loop.call_soon(self.confirm, pika.frame.Method(self.number, method))
+
+    def close(self) -> None:
+        self.is_open = False
+
+
+class FakeConnection:
+    """Just enough of pika's AsyncioConnection for the broker's code paths."""
+
+    instances: ClassVar[list[FakeConnection]] = []
+    plugin: ClassVar[bool] = True
+    outcomes: ClassVar[list[str]] = []
+
+    def __init__(self, params: Any, on_open_callback: Any, on_open_error_callback: Any,
+                 on_close_callback: Any, custom_ioloop: Any) -> None:
+        self.loop = custom_ioloop
+        self.on_close = on_close_callback
+        self.calls: list[tuple[Any, ...]] = []
+        self.channels: list[FakeChannel] = []
+        self.is_open, self.is_closed, self.is_closing = True, False, False
+        FakeConnection.instances.append(self)
+        self.loop.call_soon(on_open_callback, self)
+
+    def channel(self, on_open_callback: Any) -> None:
+        ch = FakeChannel(self, len(self.channels) + 1)
+        self.channels.append(ch)
+        self.loop.call_soon(on_open_callback, ch)
+
+    def kill(self, code: int, text: str) -> None:
+        exc = pika.exceptions.ConnectionClosedByBroker(code, text)
+        for ch in self.channels:
+            ch.is_open = False
+            for cb in ch.close_callbacks:
+                cb(ch, exc)
+        self.is_open, self.is_closed = False, True
+        self.on_close(self, exc)
+
+    def close(self) -> None:
+        self.kill(200, "Normal shutdown")
+
+
+@pytest.fixture
+def fake_pika(monkeypatch: pytest.MonkeyPatch) -> type[FakeConnection]:
+    FakeConnection.instances = []
+    FakeConnection.plugin = True
+    FakeConnection.outcomes = []
+    monkeypatch.setattr(amqp_link, "Connection", FakeConnection)
+    return FakeConnection
+
+
+def all_calls(fake: type[FakeConnection]) -> list[tuple[Any, ...]]:
+    return [c for conn in fake.instances for c in conn.calls]
+
+
+async def test_plugin_path_declares_and_publishes_exactly_this(
+        fake_pika: type[FakeConnection]) -> None:
+    b = broker("amqp://guest:guest@rabbit.example/%2F")
+    soon, later = message("orders"), message("orders", 2.5)
+    results = await b.publish([Outgoing(soon, 0.0), Outgoing(later, 2.5)])
+    assert [r.ok for r in results] == [True, True]
+    assert b.plugin is True
+    calls = all_calls(fake_pika)
+    delayed = ("exchange_declare", "duebox.delayed", "x-delayed-message", True, False,
+               {"x-delayed-type": "direct"})
+    assert calls.count(delayed) == 2  # the probe connection, then the real one
+    assert ("queue_declare", "duebox.q.orders", True,
+            {"x-dead-letter-exchange": "duebox.dead-letter"}) in calls
+    assert ("queue_bind", "duebox.q.orders", "duebox.delayed", "orders") in calls
+    assert ("queue_bind", "duebox.q.orders", "duebox.direct", "orders") in calls
+    assert not [c for c in calls if c[0] == "queue_declare" and ".delay." in c[1]]
+    pubs = [c for c in calls if c[0] == "basic_publish"]
+    (_, x0, k0, p0, m0), (_, x1, k1, p1, m1) = pubs
+    assert (x0, k0, m0) == ("duebox.direct", "orders", True)
+    assert "x-delay" not in p0.headers
+    assert (x1, k1, m1) == ("duebox.delayed", "orders", False)
+    assert isinstance(p1.headers["x-delay"], int)
+    assert 2400 < p1.headers["x-delay"] <= 2500
+    for props, msg in ((p0, soon), (p1, later)):
+        assert props.delivery_mode == 2
+        assert props.content_type == "application/json"
+        assert props.message_id == str(msg.job_id)
+        assert {k: v for k, v in props.headers.items() if k != "x-delay"} == msg.header_map()
+    await b.close()
+
+
+async def test_auto_mode_without_plugin_uses_tiers(fake_pika: type[FakeConnection]) -> None:
+    fake_pika.plugin = False
+    b = broker("amqp://guest:guest@rabbit.example/%2F")
+    msg = message("orders", 0.416)
+    [result] = await b.publish([Outgoing(msg, 0.416)])
+    assert result.ok
+    assert b.plugin is False
+    calls = all_calls(fake_pika)
+    assert len([c for c in calls if c[0] == "queue_declare" and ".delay." in c[1]]) == 120
+    [pub] = [c for c in calls if c[0] == "basic_publish"]
+    assert pub[1] == "duebox.delay.8"
+    assert pub[4] is True
+    assert pub[2].startswith("0.0.0.0.0.1.")
+    assert pub[2].endswith(".orders")
+    assert "x-delay" not in pub[3].headers
+    await b.close()
+
+
+async def test_forced_plugin_mode_without_plugin_is_a_clear_error(
+        fake_pika: type[FakeConnection]) -> None:
+    fake_pika.plugin = False
+    b = broker("amqp://guest:guest@rabbit.example/%2F?delay_mode=plugin")
+    with pytest.raises(duebox.BrokerError, match="rabbitmq_delayed_message_exchange"):
+        await b.open()
+
+
+async def test_returned_and_nacked_publishes_are_not_ok(fake_pika: type[FakeConnection]) -> None:
+    b = broker("amqp://guest:guest@rabbit.example/%2F?delay_mode=tiers")
+    fake_pika.outcomes = ["ack", "return", "nack", "ack"]
+    msgs = [message("orders") for _ in range(4)]
+    results = await b.publish([Outgoing(m, 0.0) for m in msgs])
+    assert [r.ok for r in results] == [True, False, False, True]
+    assert "unroutable: 312 NO_ROUTE" in (results[1].error or "")
+    assert "nack" in (results[2].error or "")
+    assert [r.job_id for r in results] == [m.job_id for m in msgs]
+    await b.close()
+
+
+# --- against the real RabbitMQ: the tier topology ------------------------------------
+
+
+async def test_tier_delays_are_exact_stops_and_never_early(amqp_url: str) -> None:
+    q = unique()
+    pub, con = broker(amqp_url, "pub"), broker(amqp_url, "con")
+    collector = await Collector.ready(con, pub, q)
+    try:
+        delays = [0.0, 0.001, 0.017, 0.273, 1.5, 2.047, 3.5]
+        sent = {}
+        for d in delays:
+            msg = message(q, d)
+            before = time.time()
+            [r] = await pub.publish([Outgoing(msg, d)])
+            assert r.ok, r
+            sent[msg.job_id] = (before, d)
+        got = await collector.wait(len(delays), within=15)
+        for arrived, delivery in got:
+            assert delivery.message is not None
+            before, d = sent[delivery.message.job_id]
+            assert arrived - before >= d, f"delay {d}s delivered early"
+            assert arrived - before < d + 1.0, f"delay {d}s delivered {arrived - before:.3f}s"
+            if d == 0:
+                assert delivery.extra["exchange"] == "duebox.direct"
+                continue
+            # The digits it was published with (the delay less the time spent
+            # publishing, in whole ms) and the tier queues it really stopped in.
+            key = delivery.extra["routing_key"]
+            ms = int("".join(key.split(".")[:LEVELS]), 16)
+            assert d * 1000 - 50 < ms <= d * 1000
+            headers = delivery.extra["headers"]
+            expected = pub.topology.stops(ms)
+            deaths = headers.get("x-death") or []  # one entry per queue, not in order
+            assert sorted(x["queue"] for x in deaths) == sorted(expected), (d, ms, deaths)
+            assert all(x["reason"] == "expired" and x["count"] == 1 for x in deaths)
+            assert headers["x-first-death-queue"] == expected[0]
+    finally:
+        await collector.stop()
+        await pub.close()
+
+
+async def test_no_head_of_line_blocking_and_bounded_queues(amqp_url: str) -> None:
+    """100 messages over 1 s .. 30 days, published first, do not hold back a
+    short one published after them, and they occupy only the fixed tiers."""
+    q = unique()
+    pub, con = broker(amqp_url, "pub"), broker(amqp_url, "con")
+    collector = await Collector.ready(con, pub, q)
+    try:
+        rng = random.Random(3)
+        long_ones = [Outgoing(message(q, d), d)
+                     for d in [30 * 86400.0, 1.5] + [rng.uniform(2, 30 * 86400) for _ in range(98)]]
+        assert all(r.ok for r in await pub.publish(long_ones))
+        short = message(q, 0.2)
+        before = time.time()
+        [r] = await pub.publish([Outgoing(short, 0.2)])
+        assert r.ok
+        got = await collector.wait(1, within=10)
+        arrived, first = got[0]
+        assert first.message is not None
+        assert first.message.job_id == short.job_id
+        assert 0.2 <= arrived - before < 1.0
+        await collector.wait(2, within=10)  # the 1.5 s one
+        assert collector.got[1][1].message.job_id == long_ones[1].message.job_id  # type: ignore[union-attr]
+        t = pub.topology
+        with admin(amqp_url) as ch:
+            held = sum(ch.queue_declare(t.tier_queue(j, d), passive=True).method.message_count
+                       for j in range(LEVELS) for d in range(1, 16))
+        assert held >= 98  # every long one waits in one of the 120 fixed tier queues
+    finally:
+        await collector.stop()
+        await pub.close()
+
+
+async def test_unroutable_publish_is_not_ok_and_not_lost(
+        amqp_vhost: str, sqlite_url: str, make_app: MakeApp) -> None:
+    url = f"{amqp_vhost}?prefix={unique('p')}"
+    q = unique()
+    app = make_app(sqlite_url, url, q)
+    relay = Relay(app)
+    await relay.broker.open()
+    try:
+        assert not await relay.broker.declare_queues([q])  # type: ignore[attr-defined]
+        with admin(url) as ch:
+            ch.queue_delete(f"{relay.broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
+        [r] = await relay.broker.publish([Outgoing(message(q), 0.0)])
+        assert not r.ok
+        assert "unroutable: 312 NO_ROUTE" in (r.error or "")
+
+        job_id = schedule_committed(app, "effect")
+        await relay.broker.declare_queues([q])  # type: ignore[attr-defined]
+        with admin(url) as ch:
+            ch.queue_delete(f"{relay.broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
+        stats = await relay.run_pass()
+        assert (stats.published, stats.failed) == (0, 1)
+        assert state(app, job_id) == "SCHEDULED"  # released, not lost
+        stats = await relay.run_pass()  # the queue is declared again: published
+        assert stats.published == 1
+        assert state(app, job_id) == "ENQUEUED"
+        assert message_count(url, f"{relay.broker.topology.prefix}.q.{q}") == 1  # type: ignore[attr-defined]
+    finally:
+        await relay.broker.close()
+
+
+async def test_garbage_is_rejected_into_the_dead_letter_queue(
+        amqp_vhost: str, sqlite_url: str, make_app: MakeApp) -> None:
+    prefix = unique("p")
+    url = f"{amqp_vhost}?prefix={prefix}"
+    q = unique()
+    app = make_app(sqlite_url, url, q)
+    worker = Worker(app, concurrency=2)
+    stop, tasks = await start(worker)
+    try:
+        with admin(url) as ch:
+            ch.basic_publish(f"{prefix}.direct", q, b"not json")
+        await until(lambda: message_count(url, f"{prefix}.dead-letter") == 1, seconds=10,
+                    what="garbage in the dead-letter queue", check=alive(tasks))
+        assert worker.stats.discarded["undecodable"] == 1
+    finally:
+        await finish(stop, tasks)
+
+
+async def test_unroutable_at_the_end_of_its_delay_is_kept(amqp_vhost: str) -> None:
+    """Dead-lettering cannot be mandatory: a message whose queue disappeared
+    while it waited goes to the dead-letter queue, not into the void."""
+    prefix = unique("p")
+    url = f"{amqp_vhost}?prefix={prefix}"
+    q = unique()
+    pub = broker(url, "pub")
+    try:
+        await pub.open()  # the delay counts from the call: keep connecting out of it
+        [r] = await pub.publish([Outgoing(message(q, 1.0), 1.0)])
+        assert r.ok, r
+        with admin(url) as ch:
+            ch.queue_delete(f"{prefix}.q.{q}")
+        await until(lambda: message_count(url, f"{prefix}.dead-letter") == 1, seconds=10,
+                    what="the orphan in the dead-letter queue")
+    finally:
+        await pub.close()
+
+
+async def test_quorum_queues_deliver_through_tiers(amqp_vhost: str) -> None:
+    url = f"{amqp_vhost}?prefix={unique('p')}&queue_type=quorum"
+    q = unique()
+    pub, con = broker(url, "pub"), broker(url, "con")
+    collector = await Collector.ready(con, pub, q)
+    try:
+        msg = message(q, 0.3)
+        before = time.time()
+        [r] = await pub.publish([Outgoing(msg, 0.3)])
+        assert r.ok, r
+        [(arrived, d)] = await collector.wait(1, within=15)
+        assert d.message is not None
+        assert d.message.job_id == msg.job_id
+        assert arrived - before >= 0.3
+    finally:
+        await collector.stop()
+        await pub.close()
+
+
+# --- end to end: relay, worker, database ----------------------------------------------
+
+
+async def test_delays_honoured_end_to_end(
+        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
+    q = unique()
+    app = make_app(database_url, amqp_url, q)
+    relay, worker = Relay(app), Worker(app, concurrency=4)
+    delays = [0.0, 0.05, 0.3, 0.7, 1.3, 2.047]
+    stop, tasks = await start(relay, worker)
+    try:
+        ids = [schedule_committed(app, "effect", {"d": d}, delay=d) for d in delays]
+        await until(succeeded(app, ids), seconds=20, what="all jobs ran", check=alive(tasks))
+    finally:
+        await finish(stop, tasks)
+    check_no_early_start(app.engine)
+    rows = effect_rows(app.engine)
+    assert sorted(rows) == sorted(str(i) for i in ids)
+    for r in rows.values():
+        assert 0 <= r.started_us - r.due_us < 1_000_000, "more than 1 s late"
+
+
+async def test_duplicate_publishes_run_once(
+        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
+    q = unique()
+    app = make_app(database_url, amqp_url, q)
+    relay, worker = Relay(app), Worker(app, concurrency=4)
+    extra = broker(amqp_url, "duplicator")
+    stop, tasks = await start(relay, worker)
+    try:
+        job_id = schedule_committed(app, "effect", delay=1.5)
+        msg = await until(lambda: _message(app, job_id, "ENQUEUED"), seconds=10,
+                          what="published", check=alive(tasks))
+        copies = [Outgoing(msg, 0.0), Outgoing(msg, 0.2)]
+        assert all(r.ok for r in await extra.publish(copies))
+        await until(lambda: worker.stats.received >= 3 and state(app, job_id) == "SUCCEEDED",
+                    seconds=15, what="three deliveries", check=alive(tasks))
+        [late] = await extra.publish([Outgoing(msg, 0.0)])  # after success
+        assert late.ok
+        await until(lambda: worker.stats.received >= 4, seconds=10, what="fourth delivery",
+                    check=alive(tasks))
+    finally:
+        await extra.close()
+        await finish(stop, tasks)
+    assert list(effect_rows(app.engine)) == [str(job_id)]
+    assert sum(worker.stats.discarded.values()) + worker.stats.duplicates >= 3
+    assert worker.stats.deferred >= 1  # copies that came >1 s early went back with a delay
+    check_no_early_start(app.engine)
+
+
+def _message(app: duebox.Duebox, job_id: uuid.UUID, wanted: str) -> JobMessage | None:
+    """The message the relay published for a job, once the job is ``wanted``."""
+    row = job_row(app.engine, job_id)
+    if str(row.state) != wanted:
+        return None
+    return JobMessage(job_id=row.id, task=row.task, queue=row.queue, version=row.version,
+                      attempt=row.attempt, due_at=_aware(row.due_at), payload=row.payload,
+                      headers=row.headers or {})
+
+
+async def test_cancelled_and_rescheduled_messages_never_run(
+        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
+    q = unique()
+    app = make_app(database_url, amqp_url, q)
+    relay, worker = Relay(app), Worker(app, concurrency=4)
+    stop, tasks = await start(relay, worker)
+    try:
+        cancelled = schedule_committed(app, "effect", delay=1.0)
+        moved = schedule_committed(app, "effect", delay=1.0)
+        await until(lambda: state(app, cancelled) == state(app, moved) == "ENQUEUED",
+                    seconds=10, what="both published", check=alive(tasks))
+        assert cancel_committed(app, cancelled)
+        with app.engine.begin() as conn:
+            app.reschedule(conn, moved, delay=1.5)
+        await until(lambda: state(app, moved) == "SUCCEEDED"
+                    and worker.stats.discarded["cancelled"] == 1
+                    and worker.stats.discarded["stale_version"] == 1,
+                    seconds=15, what="stale messages discarded, new one run",
+                    check=alive(tasks))
+    finally:
+        await finish(stop, tasks)
+    assert list(effect_rows(app.engine)) == [str(moved)]
+    assert state(app, cancelled) == "CANCELLED"
+    check_no_early_start(app.engine)
+
+
+async def test_max_delay_parks_jobs_until_near_due(
+        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
+    q = unique()
+    app = make_app(database_url, f"{amqp_url}?max_delay=2", q)
+    relay, worker = Relay(app), Worker(app, concurrency=4)
+    assert relay.max_delay == 2
+    stop, tasks = await start(relay, worker)
+    try:
+        ids = [schedule_committed(app, "effect", delay=d) for d in (4.0, 4.5, 5.0)]
+        passes = relay.totals.passes
+        await until(lambda: relay.totals.passes >= passes + 3, seconds=10,
+                    what="three relay passes", check=alive(tasks))
+        assert {state(app, i) for i in ids} == {"SCHEDULED"}  # parked, not published
+        await until(succeeded(app, ids), seconds=15, what="parked jobs ran",
+                    check=alive(tasks))
+    finally:
+        await finish(stop, tasks)
+    check_no_early_start(app.engine)
+    for i in ids:
+        row = job_row(app.engine, i)
+        published, due = us(_aware(row.published_at)), us(_aware(row.due_at))
+        assert published >= due - 2_000_000, "published earlier than max_delay before due"
+    assert sorted(effect_rows(app.engine)) == sorted(str(i) for i in ids)
+
+
+def _aware(dt: datetime) -> datetime:
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+
+
+# --- crashes ----------------------------------------------------------------------
+
+
+def launch_doomed_worker(database_url: str, amqp_url: str, queue: str,
+                         markers: Path) -> subprocess.Popen[bytes]:
+    with (markers / "doomed.log").open("w") as log:
+        return subprocess.Popen(
+            [sys.executable, str(PROCS / "amqp_worker.py"), database_url, amqp_url, queue,
+             str(markers)], stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+async def test_sigkilled_worker_messages_are_redelivered_and_deduplicated(
+        database_url: str, amqp_url: str, tmp_path: Path, make_app: MakeApp) -> None:
+    q = unique()
+    app = make_app(database_url, amqp_url, q, lease_seconds=2.0)
+
+    @app.task("kill_effect", queue=q)
+    def kill_effect(payload: Any, ctx: duebox.JobContext) -> None:
+        ctx.session.execute(effects.insert().values(effect_values(ctx)))
+
+    relay = Relay(app, recover_interval=0.2)
+    stop, tasks = await start(relay)
+    proc = launch_doomed_worker(database_url, amqp_url, q, tmp_path)
+    second: Worker | None = None
+    try:
+        committed = schedule_committed(app, "kill_effect", {"mode": "commit"})
+        await until(lambda: (tmp_path / f"{committed}.committed").exists(), seconds=20,
+                    what="the doomed worker committed", check=alive(tasks))
+        hanging = schedule_committed(app, "kill_effect", {"mode": "hang"})
+        await until(lambda: (tmp_path / f"{hanging}.running").exists(), seconds=20,
+                    what="the doomed worker is mid-handler", check=alive(tasks))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        second = Worker(app, concurrency=4)
+        tasks.append(asyncio.create_task(second.run(stop)))
+        await until(lambda: state(app, hanging) == "SUCCEEDED"
+                    and second.stats.discarded["already_succeeded"] >= 1,
+                    seconds=30, what="redeliveries handled", check=alive(tasks))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        await finish(stop, tasks)
+    assert state(app, committed) == "SUCCEEDED"
+    assert sorted(effect_rows(app.engine)) == sorted([str(committed), str(hanging)])
+    # The hung job's redelivery found it still leased (already_running) or, on
+    # a slow machine, already recovered and ran it; either way once.
+    assert second.stats.received >= 2
+    check_no_early_start(app.engine)
+
+
+@pytest.mark.slow
+async def test_broker_restart_loses_nothing(
+        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
+    """Jobs waiting in the tiers, in the queue, in flight and not yet
+    published when RabbitMQ stops all run exactly once after it is back.
+
+    Classic queues dead-letter at most once between tiers, so a hop caught by
+    the shutdown can lose its message; the job table's backstop (a job still
+    ENQUEUED ``redeliver_after`` past its due time is published again) covers
+    that, shortened here so the test need not wait 15 minutes for it."""
+    q = unique()
+    app = make_app(database_url, amqp_url, q, redeliver_after=10.0)
+    relay, worker = Relay(app), Worker(app, concurrency=4)
+    stop, tasks = await start(relay, worker)
+    ids = [schedule_committed(app, "effect", {"i": i}, delay=i * 0.15) for i in range(20)]
+    try:
+        await until(lambda: len(effect_rows(app.engine)) >= 3, seconds=15,
+                    what="some jobs ran", check=alive(tasks))
+        try:
+            await asyncio.to_thread(rabbitmqctl, "stop_app")
+            ids += [schedule_committed(app, "effect", {"i": i}, delay=0.2) for i in range(5)]
+            await until(lambda: relay.totals.errors >= 1, seconds=20,
+                        what="the relay noticed the outage", check=alive(tasks))
+        finally:
+            await asyncio.to_thread(rabbitmqctl, "start_app")
+            await asyncio.to_thread(rabbitmqctl, "await_startup")
+        try:
+            await until(succeeded(app, ids), seconds=60, what="every job ran after the restart",
+                        check=alive(tasks))
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; {diagnose(app, ids, amqp_url, relay, worker)}") from None
+    finally:
+        await finish(stop, tasks)
+    assert sorted(effect_rows(app.engine)) == sorted(str(i) for i in ids)
+    check_no_early_start(app.engine)
+
