@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from duebox import Duebox, DueboxError, migrate
 from duebox.ids import parse_job_id
 
+from .dlq_cmd import register as register_dlq
 from .loading import load_app
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -241,6 +242,9 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
     click.echo("all guarantees held. Next: `duebox jobs list`, `duebox status`.")
 
 
+register_dlq(cli, app_options)
+
+
 def _redact(url: str) -> str:
     parts = urlsplit(url)
     if parts.password:
@@ -254,3 +258,6 @@ def main() -> None:
     except DueboxError as exc:  # pragma: no cover - commands convert their own
         click.echo(f"Error: {exc}", err=True)
         sys.exit(1)
+
+
+from . import schedules_cmd  # noqa: E402, F401  (registers `duebox schedules`)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -13,7 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from .clock import Clock, SystemClock
 from .config import Settings
 from .db import create_async_engine_for, create_sync_engine
-from .errors import UnknownTaskError, ValidationError
+from .errors import ConfigurationError, UnknownTaskError, ValidationError
+from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
 from .producer import (
     NewJob,
     Target,
@@ -29,7 +30,8 @@ from .producer import (
     reschedule_steps,
     resolve_due,
 )
-from .registry import broker_class
+from .registry import broker_class, check_broker_url
+from .schedules import Schedules
 from .tasks import Handler, RetryPolicy, Task, validate_task_options
 
 if TYPE_CHECKING:
@@ -60,12 +62,13 @@ class Duebox:
             self.settings = self.settings.with_(
                 database_url=engine.url.render_as_string(hide_password=False)
             )
-        broker_class(self.settings.broker_url)  # fail now on an unknown scheme
+        check_broker_url(self.settings.broker_url)
         self.clock: Clock = clock or SystemClock()
         self.tasks: dict[str, Task] = {}
         self._engine = engine
         self._own_engine = engine is None
         self._async_engine: AsyncEngine | None = None
+        self.schedules = Schedules(self)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **kw: Any) -> Duebox:
@@ -77,7 +80,7 @@ class Duebox:
         """Change settings (``database_url=``, ``broker_url=``, ``batch_size=`` ...),
         checked like the constructor's; ``None`` values are ignored."""
         settings = self.settings.with_(**changes)
-        broker_class(settings.broker_url)
+        check_broker_url(settings.broker_url)
         if settings.database_url != self.settings.database_url and self._own_engine:
             self.dispose()
         self.settings = settings
@@ -125,15 +128,37 @@ class Duebox:
         max_attempts: int = 3,
         retry: RetryPolicy | None = None,
         lease_seconds: float | None = None,
+        classify: Mapping[type[BaseException], ClassRule] | Classifier | None = None,
+        timeout: float | None = None,
+        validate: Callable[[Any], None] | None = None,
+        max_lateness: float | None = None,
     ) -> Callable[[F], F]:
-        """Register ``fn(payload, ctx)`` (sync or async) as task ``name``."""
+        """Register ``fn(payload, ctx)`` (sync or async) as task ``name``.
+
+        ``classify`` maps exception types to failure classes on top of the
+        defaults (``{PaymentDeclined: "permanent"}``); ``timeout`` limits one
+        execution, separately from the lease; ``validate(payload)`` raises when
+        a payload no longer fits the handler and is checked before DLQ replay.
+        ``max_lateness``: a job not dispatched within this many seconds of its
+        due time (an outage) is EXPIRED by the relay instead of run late.
+        """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+            raise ConfigurationError(f"timeout: must be a number of seconds > 0 (got {timeout!r})")
+        if max_lateness is not None and (not isinstance(max_lateness, int | float)
+                                         or isinstance(max_lateness, bool) or max_lateness <= 0):
+            raise ConfigurationError(
+                f"max_lateness: must be a number of seconds > 0 (got {max_lateness!r})")
+        classifier = (classify if isinstance(classify, Classifier)
+                      else DEFAULT_CLASSIFIER.extend(classify or {}))
 
         def register(fn: F) -> F:
             self.tasks[name] = Task(
                 name=name, fn=fn, queue=queue, max_attempts=max_attempts,
                 retry=retry or RetryPolicy(), lease_seconds=lease_seconds,
+                classifier=classifier, timeout=timeout, validate=validate,
+                max_lateness=max_lateness,
             )
             return fn
 
@@ -180,7 +205,10 @@ class Duebox:
         if headers is not None:
             if not isinstance(headers, dict):
                 raise ValidationError("headers", "must be a dict", headers)
-            check_payload(headers)
+            try:
+                check_payload(headers)
+            except ValidationError as exc:  # name the field that was wrong
+                raise ValidationError("headers", exc.rule) from None
         return NewJob(
             task=name, queue=task.queue, payload=payload, due_at=due_at,
             max_attempts=task.max_attempts, key=key, priority=priority, tenant=tenant,

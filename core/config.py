@@ -33,11 +33,19 @@ class Settings:
     redeliver_after: float = 900.0
     concurrency: int = 8
     notify: bool = True
+    # Catch-up after an outage (see docs/schedules.md): jobs overdue by more
+    # than ``catchup_after`` are released at most ``catchup_rate`` per second
+    # per relay, most urgent first; a schedule's fire time older than
+    # ``misfire_grace`` counts as missed and its misfire policy applies.
+    catchup_rate: float = 100.0
+    catchup_after: float = 60.0
+    misfire_grace: float = 60.0
 
     def __post_init__(self) -> None:
         _positive_int("batch_size", self.batch_size, upper=100_000)
         _positive_int("concurrency", self.concurrency, upper=10_000)
-        for name in ("poll_interval", "lease_seconds", "redeliver_after"):
+        for name in ("poll_interval", "lease_seconds", "redeliver_after", "catchup_rate",
+                     "catchup_after", "misfire_grace"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ConfigurationError(f"{name}: must be a number > 0 (got {value!r})")

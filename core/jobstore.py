@@ -14,7 +14,7 @@ claim and start as well, and completion checks both.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -90,12 +90,17 @@ def _records(rows: Sequence[Any]) -> list[JobRecord]:
 
 
 def _claim_candidates(
-    state_filter: Any, limit: int, queues: Sequence[str] | None = None
+    state_filter: Any, limit: int, queues: Sequence[str] | None = None,
+    priority_first: bool = False,
 ) -> Select[Any]:
     stmt = select(job.c.id).where(state_filter)
     if queues:
         stmt = stmt.where(job.c.queue.in_(list(queues)))
-    return stmt.order_by(job.c.due_at).limit(limit).with_for_update(skip_locked=True)
+    # Priority first only for the catch-up claim, whose due_at range is the
+    # backlog: the (state, due_at) index still bounds the scan; the top-N sort
+    # by priority happens over that range.
+    order = (job.c.priority.desc(), job.c.due_at) if priority_first else (job.c.due_at,)
+    return stmt.order_by(*order).limit(limit).with_for_update(skip_locked=True)
 
 
 def _claim(
@@ -126,11 +131,16 @@ def _claim(
 
 def claim_for_dispatch(
     conn: Connection, *, owner: str, horizon: datetime, limit: int, now: datetime,
-    lease_until: datetime,
+    lease_until: datetime, after: datetime | None = None, priority_first: bool = False,
 ) -> list[JobRecord]:
-    """SCHEDULED → DISPATCHING for the next ``limit`` jobs due by ``horizon``."""
+    """SCHEDULED → DISPATCHING for the next ``limit`` jobs due by ``horizon``
+    (and after ``after``); ``priority_first`` orders by priority, then due time
+    (the relay's catch-up claim of overdue jobs)."""
+    due = job.c.due_at <= horizon
+    if after is not None:
+        due = and_(due, job.c.due_at > after)
     candidates = _claim_candidates(
-        and_(job.c.state == JobState.SCHEDULED, job.c.due_at <= horizon), limit
+        and_(job.c.state == JobState.SCHEDULED, due), limit, priority_first=priority_first
     )
     return _claim(
         conn, candidates, owner,
@@ -190,6 +200,40 @@ def expire(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datet
         .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
                 finished_at=now, updated_at=now, error_class="expired")
     ).rowcount
+
+
+def _too_late(now: datetime, lateness: Mapping[str, float]) -> list[Any]:
+    conditions = [job.c.expires_at <= now]
+    conditions += [and_(job.c.task == task, job.c.due_at < now - timedelta(seconds=late))
+                   for task, late in sorted(lateness.items())]
+    return conditions
+
+
+def any_too_late(conn: Connection, *, now: datetime, lateness: Mapping[str, float]) -> bool:
+    """Whether :func:`expire_overdue` would find anything (a read, no locks)."""
+    return conn.execute(
+        select(job.c.id).where(job.c.state == JobState.SCHEDULED, job.c.due_at <= now,
+                               or_(*_too_late(now, lateness))).limit(1)
+    ).first() is not None
+
+
+def expire_overdue(
+    conn: Connection, *, now: datetime, lateness: Mapping[str, float], limit: int
+) -> int:
+    """SCHEDULED jobs past ``expires_at``, or due longer ago than their task's
+    max lateness (``lateness``: task name → seconds), become EXPIRED: a
+    bounded batch per condition, never run."""
+    total = 0
+    for condition in _too_late(now, lateness):
+        candidates = _claim_candidates(
+            and_(job.c.state == JobState.SCHEDULED, job.c.due_at <= now, condition), limit)
+        total += conn.execute(
+            update(job).where(job.c.id.in_(candidates), job.c.state == JobState.SCHEDULED)
+            .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
+                    finished_at=now, updated_at=now, error_class="expired",
+                    last_error="too late: past expires_at or the task's max_lateness")
+        ).rowcount
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +297,50 @@ def recover(
         .values(state=JobState.SCHEDULED, **free)
     ).rowcount
     return Recovered(dispatching, running, dead, enqueued)
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueuedRef:
+    """An ``ENQUEUED`` job as reconciliation sees it."""
+
+    id: uuid.UUID
+    version: int
+    queue: str
+    due_at: datetime
+    published_at: datetime | None = None
+
+
+def enqueued_page(
+    conn: Connection, *, after: tuple[datetime, uuid.UUID] | None, limit: int
+) -> list[EnqueuedRef]:
+    """The next ``limit`` ENQUEUED jobs in ``(due_at, id)`` order after ``after``
+    (keyset pagination on the ``(state, due_at)`` index)."""
+    stmt = select(job.c.id, job.c.version, job.c.queue, job.c.due_at, job.c.published_at).where(
+        job.c.state == JobState.ENQUEUED
+    )
+    if after is not None:
+        due, last = after
+        stmt = stmt.where(or_(job.c.due_at > due, and_(job.c.due_at == due, job.c.id > last)))
+    rows = conn.execute(stmt.order_by(job.c.due_at, job.c.id).limit(limit)).all()
+    return [EnqueuedRef(*row) for row in rows]
+
+
+def requeue_lost(conn: Connection, *, refs: Sequence[EnqueuedRef], now: datetime) -> int:
+    """ENQUEUED → SCHEDULED for jobs whose message the broker lost, fenced by
+    state, version and publish time: a job that moved on meanwhile, or that
+    another relay already published again, is left alone."""
+    total = 0
+    for ref in refs:
+        published = (job.c.published_at.is_(None) if ref.published_at is None
+                     else job.c.published_at == ref.published_at)
+        total += conn.execute(
+            update(job)
+            .where(job.c.id == ref.id, job.c.version == ref.version,
+                   job.c.state == JobState.ENQUEUED, published)
+            .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None,
+                    updated_at=now)
+        ).rowcount
+    return total
 
 
 def next_due(conn: Connection) -> datetime | None:
@@ -400,26 +488,39 @@ def heartbeat_stmt(rec: JobRecord, now: datetime, lease_until: datetime) -> Upda
     return update(job).where(_fenced(rec)).values(lease_until=lease_until, updated_at=now)
 
 
+def checkpoint_stmt(rec: JobRecord, now: datetime, state: Any) -> Update:
+    """Persist a running job's progress, fenced like a completion."""
+    return update(job).where(_fenced(rec)).values(checkpoint=state, updated_at=now)
+
+
 def counts_by_state(conn: Connection) -> dict[str, int]:
     rows = conn.execute(select(job.c.state, func.count()).group_by(job.c.state)).all()
     return {str(state): int(n) for state, n in rows}
 
 
+
+
 __all__ = [
     "LEASED_STATES",
+    "EnqueuedRef",
     "JobRecord",
     "Recovered",
+    "any_too_late",
+    "checkpoint_stmt",
     "claim_for_dispatch",
     "claim_for_run",
     "complete_stmt",
     "dead_stmt",
+    "enqueued_page",
     "expire",
+    "expire_overdue",
     "finish_attempt_stmt",
     "heartbeat_stmt",
     "mark_enqueued",
     "next_due",
     "recover",
     "release",
+    "requeue_lost",
     "retry_stmt",
     "start",
     "why_not_started",

@@ -30,7 +30,9 @@ from .states import ACTIVE_STATES, RESCHEDULABLE_STATES, JobState
 from .tables import audit, job
 
 T = TypeVar("T")
-Steps = Generator[Executable, CursorResult[Any], T]
+# A step is a statement, or a statement and its parameter sets (an executemany).
+Step = Executable | tuple[Executable, list[dict[str, Any]]]
+Steps = Generator[Step, CursorResult[Any], T]
 
 _INT32 = 2**31 - 1
 
@@ -143,20 +145,24 @@ def drive(target: Target, steps: Steps[T]) -> T | Awaitable[T]:
 
 def _drive_sync(execute: Callable[..., Any], steps: Steps[T]) -> T:
     try:
-        stmt = next(steps)
+        step = next(steps)
         while True:
-            stmt = steps.send(execute(stmt))
+            step = steps.send(execute(*_args(step)))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
 
 
 async def _drive_async(execute: Callable[..., Awaitable[Any]], steps: Steps[T]) -> T:
     try:
-        stmt = next(steps)
+        step = next(steps)
         while True:
-            stmt = steps.send(await execute(stmt))
+            step = steps.send(await execute(*_args(step)))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
+
+
+def _args(step: Step) -> tuple[Any, ...]:
+    return step if isinstance(step, tuple) else (step,)
 
 
 # --- the three producer operations -----------------------------------------
@@ -184,7 +190,9 @@ def insert_many_steps(
     """Insert many keyless jobs with one executemany."""
     ids = [uuid7() for _ in new_jobs]
     if ids:
-        yield job.insert().values([n.row(i, now) for n, i in zip(new_jobs, ids, strict=True)])
+        # A true executemany: one cached statement.  A multi-VALUES insert
+        # would be compiled afresh for every call, with a bind per cell.
+        yield job.insert(), [n.row(i, now) for n, i in zip(new_jobs, ids, strict=True)]
         if notify and dialect == "postgresql":
             yield select(func.pg_notify(NOTIFY_CHANNEL, ""))
     return ids

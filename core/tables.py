@@ -176,6 +176,13 @@ schedule = Table(
     Column("jitter_seconds", Integer, nullable=False, default=0),
     Column("version", Integer, nullable=False, default=1),
     Column("paused", Boolean, nullable=False, default=False),
+    # Added by migration 0002 (recurring schedules, see duebox.schedules).
+    Column("gap_policy", String(8), nullable=False, default="shift"),
+    Column("fold_policy", String(8), nullable=False, default="first"),
+    Column("priority", Integer, nullable=False, default=0),
+    Column("max_attempts", Integer, nullable=False, default=3),
+    Column("expire_after_seconds", Integer, nullable=True),
+    _dt("last_fire_at"),
     _dt("created_at", nullable=False),
     _dt("updated_at", nullable=False),
     UniqueConstraint("name", name="uq_duebox_schedule_name"),

@@ -2,6 +2,9 @@
 
 Each pass:
 
+0. **Generate** due schedule occurrences (relay/schedules.py) and, after an
+   outage, release **overdue** jobs first: rate-limited, highest priority
+   first, too-late ones expired (relay/catchup.py).
 1. **Claim** a bounded batch in a short transaction: ``SCHEDULED`` jobs due by
    ``now + max_delay (+ hold window)`` become ``DISPATCHING``, leased to a
    per-claim owner token.  The same predicate parks jobs beyond the broker's
@@ -12,7 +15,10 @@ Each pass:
    still leased in the database, and published at ``due_at - max_delay``.
 3. **Mark** ``ENQUEUED`` with a fenced update; a mark that matches nothing
    means the lease was lost and the publish was a duplicate consumers drop.
-4. **Recover** expired leases (plus a clock-skew margin) back to ``SCHEDULED``.
+4. **Recover** expired leases (plus a clock-skew margin) back to ``SCHEDULED``;
+   **reconcile** with brokers that can tell which ``ENQUEUED`` jobs they lost
+   (Redis restarted empty): those go back to ``SCHEDULED`` and are published
+   again, at once when the broker reports data loss, else on a slow sweep.
 5. **Sleep** until the earliest due time, a held job's release, the next
    recovery or the poll interval — woken early by ``NOTIFY`` on PostgreSQL.
 """
@@ -26,21 +32,28 @@ import itertools
 import logging
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from duebox import jobstore
-from duebox.brokers.base import Broker, Outgoing
+from duebox.brokers.base import Broker, Outgoing, open_broker
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import BrokerError, DatabaseError
 from duebox.ids import process_token
+
+from .catchup import CatchUp
+from .schedules import ScheduleStep
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
 
 log = logging.getLogger("duebox.relay")
+
+# Reconciliation pages (of ``batch_size`` jobs) per pass while a sweep runs.
+_SWEEP_PAGES_PER_PASS = 4
 
 
 @dataclass
@@ -53,6 +66,9 @@ class PassStats:
     expired: int = 0
     failed: int = 0
     recovered: int = 0
+    reconciled: int = 0
+    occurrences: int = 0  # schedule occurrences generated
+    caught_up: int = 0  # overdue jobs claimed by the rate-limited catch-up claim
 
 
 @dataclass
@@ -82,6 +98,7 @@ class Relay:
         name: str | None = None,
         hold_window: float | None = None,
         recover_interval: float = 1.0,
+        reconcile_interval: float = 300.0,
     ) -> None:
         self.app = app
         self.name = name or process_token("relay")
@@ -101,6 +118,13 @@ class Relay:
         self._seq = itertools.count()
         self._claims = itertools.count()
         self._last_recover = -math.inf
+        self.reconcile_interval = reconcile_interval
+        self._reconciles = not caps.direct_claim
+        self._last_reconcile = -math.inf
+        self._sweep: tuple[datetime, uuid.UUID] | None = None
+        self._sweeping = False
+        self.schedules = ScheduleStep(app, self.batch_size)
+        self.catchup = CatchUp(app, self.batch_size)
 
     # --- one pass ------------------------------------------------------------
 
@@ -109,7 +133,12 @@ class Relay:
         if time.monotonic() - self._last_recover >= self.recover_interval:
             self._last_recover = time.monotonic()
             stats.recovered = (await asyncio.to_thread(self._recover)).total
+            stats.expired += await asyncio.to_thread(self.catchup.sweep)
+        stats.occurrences = await self.schedules.run()
         if not self.broker.capabilities.direct_claim:
+            if self._reconciles:
+                stats.reconciled = await self._reconcile()
+            await self._catch_up(stats)
             while True:
                 owner = f"{self.name}#{next(self._claims)}"
                 records = await asyncio.to_thread(self._claim, owner)
@@ -121,27 +150,54 @@ class Relay:
         self._add(stats)
         return stats
 
-    def _claim(self, owner: str) -> list[jobstore.JobRecord]:
+    async def _catch_up(self, stats: PassStats) -> None:
+        """Overdue jobs (the backlog after an outage): bounded batches under the
+        catch-up rate limit, highest priority first (see relay/catchup.py)."""
+        while True:
+            n = self.catchup.allowance()
+            # Out of tokens: sleep until the next batch's worth (not spin).
+            self.catchup.throttled = n == 0
+            if n == 0:
+                return
+            owner = f"{self.name}#{next(self._claims)}"
+            records = await asyncio.to_thread(self._claim, owner, n)
+            stats.claimed += len(records)
+            stats.caught_up += len(records)
+            expired = stats.expired
+            await self._dispatch(records, owner, stats)
+            self.catchup.spend(len(records) - (stats.expired - expired))
+            if len(records) < n:  # the backlog is drained
+                return
+
+    def _claim(self, owner: str, catchup: int = 0) -> list[jobstore.JobRecord]:
+        """The next batch due by the horizon and not yet backlog; with
+        ``catchup``, that many backlog jobs instead, most urgent first."""
         now = self.app.clock.now()
         horizon = now + timedelta(seconds=(self.max_delay or 0.0) + self.hold_window)
         if self.max_delay is None:
             horizon = datetime.max.replace(tzinfo=now.tzinfo)
         lease = self.app.settings.lease_seconds + self.hold_window
+        overdue = self.catchup.threshold(now)
         with db_errors("claim"), self.app.engine.begin() as conn:
+            if catchup:
+                return jobstore.claim_for_dispatch(
+                    conn, owner=owner, horizon=overdue, limit=catchup, now=now,
+                    lease_until=now + timedelta(seconds=lease), priority_first=True,
+                )
             return jobstore.claim_for_dispatch(
                 conn, owner=owner, horizon=horizon, limit=self.batch_size, now=now,
-                lease_until=now + timedelta(seconds=lease),
+                lease_until=now + timedelta(seconds=lease), after=overdue,
             )
 
     async def _dispatch(self, records: list[jobstore.JobRecord], owner: str,
                         stats: PassStats) -> None:
         now = self.app.clock.now()
-        expired = [r.id for r in records if r.expired(now)]
+        expired = [r.id for r in records if self.catchup.too_late(r, now)]
         if expired:
             stats.expired += await asyncio.to_thread(self._db, jobstore.expire, owner, expired)
         ready = []
         for rec in records:
-            if rec.expired(now):
+            if self.catchup.too_late(rec, now):
                 continue
             release_at = self._release_time(rec)
             if release_at > now:
@@ -205,6 +261,48 @@ class Relay:
             result: int = fn(conn, owner=owner, ids=ids, now=self.app.clock.now())  # type: ignore[operator]
             return result
 
+    async def _reconcile(self) -> int:
+        """Jobs the database says are ENQUEUED but the broker no longer holds go
+        back to SCHEDULED (fenced by version) and are claimed again in this
+        pass.  A sweep walks all ENQUEUED jobs in bounded pages, a few per pass."""
+        if not self._sweeping:
+            lost = await self.broker.data_lost()
+            if not lost and time.monotonic() - self._last_reconcile < self.reconcile_interval:
+                return 0
+            if lost:
+                log.warning("the broker reports it may have lost messages (it restarted "
+                            "empty, or this is its first use); reconciling enqueued jobs now")
+            self._last_reconcile = time.monotonic()
+            self._sweeping, self._sweep = True, None
+        requeued = 0
+        for _ in range(_SWEEP_PAGES_PER_PASS):
+            refs = await asyncio.to_thread(self._enqueued_page, self._sweep)
+            missing = await self.broker.missing(refs)
+            if missing is None:
+                self._reconciles = self._sweeping = False
+                return 0
+            if missing:
+                gone = set(missing)
+                requeued += await asyncio.to_thread(
+                    self._requeue, [r for r in refs if r.id in gone])
+            if len(refs) < self.batch_size:
+                self._sweeping = False
+                break
+            self._sweep = (refs[-1].due_at, refs[-1].id)
+        if requeued:
+            log.warning("%d enqueued jobs were missing from the broker; publishing them again",
+                        requeued)
+        return requeued
+
+    def _enqueued_page(self, after: tuple[datetime, uuid.UUID] | None
+                       ) -> list[jobstore.EnqueuedRef]:
+        with db_errors("reconcile"), self.app.engine.connect() as conn:
+            return jobstore.enqueued_page(conn, after=after, limit=self.batch_size)
+
+    def _requeue(self, refs: list[jobstore.EnqueuedRef]) -> int:
+        with db_errors("reconcile"), self.app.engine.begin() as conn:
+            return jobstore.requeue_lost(conn, refs=refs, now=self.app.clock.now())
+
     def _recover(self) -> jobstore.Recovered:
         s = self.app.settings
         with db_errors("recover"), self.app.engine.begin() as conn:
@@ -230,12 +328,17 @@ class Relay:
                  self.recover_interval - (time.monotonic() - self._last_recover)]
         if self._held:
             waits.append((self._held[0].release_at - now).total_seconds())
+        if self._sweeping or self.schedules.pending:
+            waits.append(0.0)
+        if self.catchup.throttled:
+            waits.append(self.catchup.bucket.seconds_until(self.catchup.chunk, now))
         if not self.broker.capabilities.direct_claim and self.max_delay is not None:
             with db_errors("next due"), self.app.engine.connect() as conn:
                 due = jobstore.next_due(conn)
             if due is not None:
                 lead = self.max_delay + self.hold_window
-                waits.append((due - now).total_seconds() - lead)
+                waits.append(self.catchup.adjust_wait(due, now,
+                                                      (due - now).total_seconds() - lead))
         return max(0.0, min(waits))
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -245,7 +348,8 @@ class Relay:
 
         stop = stop or asyncio.Event()
         waker = PgWaker(parse_database_url(self.app.settings.database_url))
-        await self.broker.open()
+        if not await open_broker(self.broker, stop):
+            return
         await waker.start()
         backoff = 0.1
         log.info("relay %s started on %s (max_delay=%s)", self.name,

@@ -1,0 +1,364 @@
+"""Recurring schedules: the API behind ``app.schedules`` and ``duebox schedules``.
+
+A schedule is a template, not a job.  The relay turns each of its fire times
+into one occurrence job whose id is derived from ``(schedule_id,
+nominal_fire_at)`` (see :mod:`duebox.occurrences`).  Like the producer API,
+every method here takes the caller's ``Session``, ``Connection``,
+``AsyncSession`` or ``AsyncConnection`` and never commits::
+
+    with Session(engine) as s, s.begin():
+        app.schedules.add(s, "nightly-report", "report.build", "30 2 * * *",
+                          timezone="Europe/Berlin", misfire="fire_once")
+
+Defaults: misfire ``fire_once``, overlap ``allow``, DST gap ``shift`` and fold
+``first`` (docs/schedules.md has the table of what each does).
+"""
+
+from __future__ import annotations
+
+import builtins
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Row, delete, select, update
+
+from .cron import (
+    DEFAULT_FOLD,
+    DEFAULT_GAP,
+    FOLD_POLICIES,
+    GAP_POLICIES,
+    Fire,
+    Rule,
+    cached_rule,
+    check_policy,
+)
+from .db import insert_if_absent
+from .errors import ValidationError
+from .ids import uuid7
+from .producer import (
+    Steps,
+    Target,
+    check_optional_str,
+    check_payload,
+    check_priority,
+    dialect_of,
+    drive,
+)
+from .states import JobState
+from .tables import job, schedule
+
+if TYPE_CHECKING:
+    from .app import Duebox
+
+MISFIRE_POLICIES = ("fire_once", "fire_all", "skip")
+OVERLAP_POLICIES = ("allow", "skip", "queue")
+DEFAULT_MISFIRE = "fire_once"
+DEFAULT_OVERLAP = "allow"
+MAX_JITTER = 86_400
+# Occurrences that were generated but not yet handed to a worker; deleting a
+# schedule cancels these (a message already in a broker is then discarded by
+# the worker's version check).
+PENDING_STATES = (JobState.SCHEDULED, JobState.DISPATCHING, JobState.ENQUEUED)
+
+
+class ScheduleNotFoundError(ValidationError):
+    """No schedule has this id or name."""
+
+    def __init__(self, ref: object) -> None:
+        super().__init__("schedule", "must be the id or name of an existing schedule", ref)
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """One schedule as stored."""
+
+    id: uuid.UUID
+    name: str
+    task: str
+    queue: str
+    cron: str
+    timezone: str
+    payload: Any
+    next_fire_at: datetime | None
+    last_fire_at: datetime | None
+    misfire: str
+    overlap: str
+    gap: str
+    fold: str
+    jitter: int
+    priority: int
+    max_attempts: int
+    expire_after: int | None
+    version: int
+    paused: bool
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def rule(self) -> Rule:
+        return cached_rule(self.cron, self.timezone, self.gap, self.fold)
+
+    @classmethod
+    def from_row(cls, row: Row[Any]) -> ScheduleInfo:
+        m = row._mapping
+        return cls(
+            id=m["id"], name=m["name"], task=m["task"], queue=m["queue"], cron=m["cron"],
+            timezone=m["timezone"], payload=m["payload"], next_fire_at=m["next_fire_at"],
+            last_fire_at=m["last_fire_at"], misfire=m["misfire_policy"],
+            overlap=m["overlap_policy"], gap=m["gap_policy"], fold=m["fold_policy"],
+            jitter=m["jitter_seconds"], priority=m["priority"], max_attempts=m["max_attempts"],
+            expire_after=m["expire_after_seconds"], version=m["version"],
+            paused=bool(m["paused"]), created_at=m["created_at"], updated_at=m["updated_at"],
+        )
+
+
+# --- validation -------------------------------------------------------------
+
+
+def _seconds(field: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValidationError(field, "must be a whole number of seconds or a timedelta", value)
+    if seconds != int(seconds) or seconds < minimum or (maximum is not None and seconds > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValidationError(field, f"must be a whole number of seconds {bounds}", value)
+    return int(seconds)
+
+
+def _ref_condition(ref: object) -> Any:
+    if isinstance(ref, uuid.UUID):
+        return schedule.c.id == ref
+    if isinstance(ref, str) and ref:
+        try:
+            return schedule.c.id == uuid.UUID(ref)
+        except ValueError:
+            return schedule.c.name == ref
+    raise ValidationError("schedule", "must be a schedule id (UUID) or name", ref)
+
+
+# --- statements ---------------------------------------------------------------
+
+
+def _add_steps(values: dict[str, Any], dialect: str) -> Steps[uuid.UUID]:
+    result = yield insert_if_absent(schedule, values, dialect, ["name"])
+    if result.rowcount != 1:
+        raise ValidationError("name", "a schedule with this name already exists",
+                              values["name"])
+    return uuid.UUID(str(values["id"]))
+
+
+def _get_steps(ref: object) -> Steps[ScheduleInfo]:
+    result = yield select(schedule).where(_ref_condition(ref))
+    row = result.first()
+    if row is None:
+        raise ScheduleNotFoundError(ref)
+    return ScheduleInfo.from_row(row)
+
+
+def _list_steps(include_paused: bool) -> Steps[list[ScheduleInfo]]:
+    stmt = select(schedule).order_by(schedule.c.name)
+    if not include_paused:
+        stmt = stmt.where(schedule.c.paused.is_(False))
+    result = yield stmt
+    return [ScheduleInfo.from_row(r) for r in result.all()]
+
+
+def _pause_steps(ref: object, now: datetime) -> Steps[bool]:
+    info = yield from _get_steps(ref)
+    if info.paused:
+        return False
+    yield (update(schedule).where(schedule.c.id == info.id)
+           .values(paused=True, version=schedule.c.version + 1, updated_at=now))
+    return True
+
+
+def _resume_steps(ref: object, now: datetime) -> Steps[datetime | None]:
+    info = yield from _get_steps(ref)
+    if not info.paused:
+        return info.next_fire_at
+    # What would have fired while paused is not a misfire: start afresh.
+    nxt = info.rule.next_after(now)
+    yield (update(schedule).where(schedule.c.id == info.id, schedule.c.paused.is_(True))
+           .values(paused=False, next_fire_at=nxt.at if nxt else None,
+                   version=schedule.c.version + 1, updated_at=now))
+    return nxt.at if nxt else None
+
+
+def _delete_steps(ref: object, now: datetime, cancel_pending: bool) -> Steps[int]:
+    info = yield from _get_steps(ref)
+    cancelled = 0
+    if cancel_pending:
+        result = yield (
+            update(job)
+            .where(job.c.schedule_id == info.id, job.c.state.in_(list(PENDING_STATES)))
+            .values(state=JobState.CANCELLED, version=job.c.version + 1, lease_owner=None,
+                    lease_until=None, finished_at=now, updated_at=now)
+        )
+        cancelled = int(result.rowcount)
+    yield delete(schedule).where(schedule.c.id == info.id)
+    return cancelled
+
+
+def _history_steps(ref: object, limit: int) -> Steps[list[Row[Any]]]:
+    info = yield from _get_steps(ref)
+    result = yield (
+        select(job.c.id, job.c.nominal_fire_at, job.c.due_at, job.c.state, job.c.attempt)
+        .where(job.c.schedule_id == info.id)
+        .order_by(job.c.nominal_fire_at.desc()).limit(limit)
+    )
+    return list(result.all())
+
+
+# --- the API ------------------------------------------------------------------
+
+
+class Schedules:
+    """``app.schedules``: add, inspect, pause, resume and delete schedules."""
+
+    def __init__(self, app: Duebox) -> None:
+        self._app = app
+
+    def add(
+        self,
+        session: Target,
+        name: str,
+        task: str,
+        cron: str,
+        *,
+        timezone: str = "UTC",
+        payload: Any = None,
+        queue: str | None = None,
+        jitter: int | timedelta = 0,
+        misfire: str = DEFAULT_MISFIRE,
+        overlap: str = DEFAULT_OVERLAP,
+        gap: str = DEFAULT_GAP,
+        fold: str = DEFAULT_FOLD,
+        priority: int = 0,
+        expire_after: int | timedelta | None = None,
+        paused: bool = False,
+    ) -> uuid.UUID | Awaitable[uuid.UUID]:
+        """Create a schedule; returns its id.  Never commits.
+
+        ``cron`` has 5 fields (minute first) or 6 (second first), evaluated in
+        ``timezone`` (IANA).  ``jitter`` delays each occurrence by a fixed
+        pseudo-random 0..jitter seconds (never earlier).  ``misfire`` says what
+        happens to fire times missed during an outage (``fire_once``,
+        ``fire_all``, ``skip``); ``overlap`` what happens when the previous
+        occurrence is still active (``allow``, ``skip``, ``queue``); ``gap`` and
+        ``fold`` resolve wall times that daylight saving time removes
+        (``shift``, ``skip``) or repeats (``first``, ``last``, ``both``).
+        ``expire_after`` makes each occurrence EXPIRED, never run, when it
+        could not start within that many seconds of its due time.
+        """
+        dialect = dialect_of(session)
+        values = self.validate(
+            name, task, cron, timezone=timezone, payload=payload, queue=queue, jitter=jitter,
+            misfire=misfire, overlap=overlap, gap=gap, fold=fold, priority=priority,
+            expire_after=expire_after, paused=paused,
+        )
+        return drive(session, _add_steps(values, dialect))
+
+    def validate(self, name: object, task: object, cron: object, **options: Any
+                 ) -> dict[str, Any]:
+        """Check every argument of :meth:`add` (naming the field at fault) and
+        return the row to insert."""
+        check_optional_str("name", name, 200)
+        if name is None:
+            raise ValidationError("name", "must be a non-empty string", name)
+        if not isinstance(task, str):
+            raise ValidationError("task", "must be a registered task name", task)
+        registered = self._app.get_task(task)
+        queue = options.get("queue")
+        check_optional_str("queue", queue, 200)
+        rule = Rule(cron, options.get("timezone", "UTC"),  # type: ignore[arg-type]
+                    gap=options.get("gap", DEFAULT_GAP), fold=options.get("fold", DEFAULT_FOLD))
+        misfire = check_policy("misfire", options.get("misfire", DEFAULT_MISFIRE),
+                               MISFIRE_POLICIES)
+        overlap = check_policy("overlap", options.get("overlap", DEFAULT_OVERLAP),
+                               OVERLAP_POLICIES)
+        jitter = _seconds("jitter", options.get("jitter", 0), minimum=0, maximum=MAX_JITTER)
+        expire = options.get("expire_after")
+        expire_after = None if expire is None else _seconds("expire_after", expire, minimum=1)
+        payload = options.get("payload")
+        check_payload(payload)
+        priority = check_priority(options.get("priority", 0))
+        paused = options.get("paused", False)
+        if not isinstance(paused, bool):
+            raise ValidationError("paused", "must be True or False", paused)
+        now = self._app.clock.now()
+        first = rule.next_after(now)
+        if first is None:
+            raise ValidationError("cron", "never fires (no matching time in the next 50 years)",
+                                  cron)
+        return {
+            "id": uuid7(), "name": name, "task": task, "queue": queue or registered.queue,
+            "cron": rule.cron, "timezone": rule.timezone, "payload": payload,
+            "next_fire_at": first.at, "last_fire_at": None, "misfire_policy": misfire,
+            "overlap_policy": overlap, "gap_policy": rule.gap, "fold_policy": rule.fold,
+            "jitter_seconds": jitter, "priority": priority,
+            "max_attempts": registered.max_attempts, "expire_after_seconds": expire_after,
+            "version": 1, "paused": paused, "created_at": now, "updated_at": now,
+        }
+
+    def get(self, session: Target, ref: uuid.UUID | str
+            ) -> ScheduleInfo | Awaitable[ScheduleInfo]:
+        """A schedule by id or name; :class:`ScheduleNotFoundError` if none."""
+        dialect_of(session)
+        return drive(session, _get_steps(ref))
+
+    def list(self, session: Target, *, include_paused: bool = True
+             ) -> builtins.list[ScheduleInfo] | Awaitable[builtins.list[ScheduleInfo]]:
+        """Every schedule, by name."""
+        dialect_of(session)
+        return drive(session, _list_steps(include_paused))
+
+    def pause(self, session: Target, ref: uuid.UUID | str) -> bool | Awaitable[bool]:
+        """Stop generating occurrences; True if it was running.  Occurrences
+        already generated (at most a poll interval ahead) are left alone."""
+        dialect_of(session)
+        return drive(session, _pause_steps(ref, self._app.clock.now()))
+
+    def resume(self, session: Target, ref: uuid.UUID | str
+               ) -> datetime | Awaitable[datetime | None] | None:
+        """Generate again from the next fire time after now (what fell in the
+        pause is not fired); returns that time."""
+        dialect_of(session)
+        return drive(session, _resume_steps(ref, self._app.clock.now()))
+
+    def delete(self, session: Target, ref: uuid.UUID | str, *, cancel_pending: bool = True
+               ) -> int | Awaitable[int]:
+        """Delete a schedule; with ``cancel_pending`` (the default) its
+        occurrences not yet started are cancelled.  Returns how many were."""
+        dialect_of(session)
+        return drive(session, _delete_steps(ref, self._app.clock.now(), cancel_pending))
+
+    def history(self, session: Target, ref: uuid.UUID | str, limit: int = 10
+                ) -> builtins.list[Row[Any]] | Awaitable[builtins.list[Row[Any]]]:
+        """The latest occurrences (id, nominal_fire_at, due_at, state, attempt)."""
+        dialect_of(session)
+        return drive(session, _history_steps(ref, limit))
+
+    def next_fires(self, info: ScheduleInfo | Rule, n: int = 10,
+                   after: datetime | None = None) -> builtins.list[Fire]:
+        """The next ``n`` nominal fire times after ``after`` (default: now)."""
+        rule = info.rule if isinstance(info, ScheduleInfo) else info
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10_000:
+            raise ValidationError("n", "must be an integer from 1 to 10000", n)
+        return rule.upcoming(after or self._app.clock.now(), n)
+
+
+__all__ = [
+    "FOLD_POLICIES",
+    "GAP_POLICIES",
+    "MISFIRE_POLICIES",
+    "OVERLAP_POLICIES",
+    "ScheduleInfo",
+    "ScheduleNotFoundError",
+    "Schedules",
+]
