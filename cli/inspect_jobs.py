@@ -7,7 +7,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, select
 
 from duebox.db import db_errors
 from duebox.errors import JobNotFoundError
@@ -97,19 +97,3 @@ def show_job(engine: Engine, job_id: uuid.UUID, broker_scheme: str, now: datetim
         for a in audits:
             lines.append(f"  {_fmt(a.at)} {a.action} by {a.operator}: {a.reason}")
     return "\n".join(lines)
-
-
-def status(engine: Engine, now: datetime) -> dict[str, Any]:
-    with db_errors("status"), engine.connect() as conn:
-        by_state = {str(s): int(n) for s, n in conn.execute(
-            select(job.c.state, func.count()).group_by(job.c.state)).all()}
-        per_queue = conn.execute(
-            select(job.c.queue, func.count(), func.min(job.c.due_at))
-            .where(job.c.state == JobState.SCHEDULED, job.c.due_at <= now)
-            .group_by(job.c.queue)
-        ).all()
-    queues = {
-        q: {"due_backlog": int(n), "oldest_due_age_s": (now - oldest).total_seconds()}
-        for q, n, oldest in per_queue
-    }
-    return {"states": by_state, "queues": queues}

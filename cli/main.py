@@ -65,13 +65,34 @@ def cli(log_level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def metrics_options(fn: F) -> F:
+    """--metrics-port and --metrics-host for the long-running commands."""
+    fn = click.option("--metrics-host", envvar="DUEBOX_METRICS_HOST", default="127.0.0.1",
+                      help="Address the metrics endpoint listens on. "
+                           "[env DUEBOX_METRICS_HOST]")(fn)
+    return click.option("--metrics-port", envvar="DUEBOX_METRICS_PORT", type=int, default=None,
+                        help="Serve Prometheus metrics on this port (off when unset). "
+                             "[env DUEBOX_METRICS_PORT]")(fn)
+
+
+def _serve_metrics(port: int | None, host: str) -> None:
+    if port is None:
+        return
+    from duebox.metrics import process_metrics, serve
+
+    server = serve(process_metrics(), port, host)
+    click.echo(f"metrics on http://{host}:{server.server_port}/metrics", err=True)
+
+
 @cli.command()
 @app_options
+@metrics_options
 @click.option("--batch-size", envvar="DUEBOX_BATCH_SIZE", type=int, default=None,
               help="Jobs per claim. [env DUEBOX_BATCH_SIZE]")
 @click.option("--poll-interval", envvar="DUEBOX_POLL_INTERVAL", type=float, default=None,
               help="Longest sleep between passes, seconds. [env DUEBOX_POLL_INTERVAL]")
 def relay(app_spec: str | None, database_url: str | None, broker_url: str | None,
+          metrics_port: int | None, metrics_host: str,
           batch_size: int | None, poll_interval: float | None) -> None:
     """Claim due jobs and hand them to the broker."""
     from duebox.relay import Relay
@@ -83,17 +104,20 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
     r = Relay(app)
     click.echo(f"relay {r.name}: {_redact(app.settings.database_url)} -> "
                f"{_redact(app.settings.broker_url)}", err=True)
+    _serve_metrics(metrics_port, metrics_host)
     run_until_signalled(r.run)
 
 
 @cli.command()
 @app_options
+@metrics_options
 @click.option("--concurrency", envvar="DUEBOX_CONCURRENCY", type=int, default=None,
               help="Jobs run at once. [env DUEBOX_CONCURRENCY]")
 @click.option("--queue", "queues", envvar="DUEBOX_QUEUES", multiple=True,
               help="Queue to consume (repeatable; default: every registered task's queue). "
                    "[env DUEBOX_QUEUES, space-separated]")
 def worker(app_spec: str | None, database_url: str | None, broker_url: str | None,
+           metrics_port: int | None, metrics_host: str,
            concurrency: int | None, queues: tuple[str, ...]) -> None:
     """Run handlers for delivered jobs."""
     from duebox.consumers import Worker
@@ -105,6 +129,7 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
         raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
     w = Worker(app, queues=list(queues) or None, concurrency=concurrency)
     click.echo(f"worker {w.name}: queues {', '.join(w.queues)}", err=True)
+    _serve_metrics(metrics_port, metrics_host)
     run_until_signalled(w.run)
 
 
@@ -186,24 +211,38 @@ def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str 
 @cli.command()
 @app_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--watch", type=click.FloatRange(min=0.05), is_flag=False, flag_value=2.0,
+              default=None, metavar="[SECONDS]",
+              help="Refresh every SECONDS (default 2) until interrupted.")
+@click.option("--iterations", type=click.IntRange(min=1), default=None,
+              help="With --watch: stop after this many refreshes.")
+@click.option("--window", type=click.FloatRange(min=1), default=300.0,
+              help="Start lateness over jobs started in the last WINDOW seconds.")
+@click.option("--max-due-age", type=click.FloatRange(min=0), default=60.0,
+              help="An oldest due job older than this is a problem.")
 def status(app_spec: str | None, database_url: str | None, broker_url: str | None,
-           as_json: bool) -> None:
-    """Jobs by state and the due backlog per queue, at a glance."""
-    from .inspect_jobs import status as read_status
+           as_json: bool, watch: float | None, iterations: int | None, window: float,
+           max_due_age: float) -> None:
+    """Is it healthy? Backlog, in flight, DLQ, lateness and live processes."""
+    import time
+
+    from .status_view import build_report, render
 
     app = load_app(app_spec, database_url, broker_url)
-    report = read_status(app.engine, app.clock.now())
-    if as_json:
-        click.echo(json.dumps(report, indent=2, sort_keys=True))
-        return
-    states = report["states"]
-    click.echo("jobs by state: " + ("  ".join(f"{k} {v}" for k, v in sorted(states.items()))
-                                    or "none"))
-    if not report["queues"]:
-        click.echo("due backlog: none")
-    for q, info in sorted(report["queues"].items()):
-        click.echo(f"queue {q}: due backlog {info['due_backlog']}, oldest due "
-                   f"{info['oldest_due_age_s']:.1f} s ago")
+    shown = 0
+    while True:
+        report = build_report(app.engine, app.clock.now(), window=window,
+                              max_due_age=max_due_age)
+        if watch is not None and not as_json:
+            click.clear()
+        click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
+        shown += 1
+        if watch is None or (iterations is not None and shown >= iterations):
+            return
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return
 
 
 @cli.command()

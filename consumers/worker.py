@@ -24,7 +24,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from duebox import jobstore
@@ -32,11 +32,13 @@ from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.db import db_errors
 from duebox.errors import DatabaseError, UnknownTaskError
 from duebox.failures import FailureClass, Verdict
+from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
+from duebox.metrics import Metrics, process_metrics, seconds
 from duebox.tasks import Task
 
 from .dedupe import SQLDedupeStore
-from .execution import Execution
+from .execution import Execution, Outcome
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -75,6 +77,8 @@ class Worker:
         concurrency: int | None = None,
         name: str | None = None,
         dedupe: SQLDedupeStore | None = None,
+        metrics: Metrics | None = None,
+        heartbeat_interval: float = 5.0,
     ) -> None:
         self.app = app
         self.name = name or process_token("worker")
@@ -85,6 +89,11 @@ class Worker:
         self.stats = WorkerStats()
         self._slots = asyncio.Semaphore(self.concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = metrics or process_metrics()
+        self.backend = self.broker.capabilities.name
+        self.heartbeat = ProcessHeartbeat(
+            app.engine, app.clock, role="worker", name=self.name, interval=heartbeat_interval,
+            info=self._info)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Consume until ``stop`` is set, then finish what is running."""
@@ -93,6 +102,7 @@ class Worker:
             return
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
         stopper = asyncio.create_task(stop.wait())
+        beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")
         try:
             await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if consumer.done():
@@ -104,6 +114,7 @@ class Worker:
                 await consumer
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.heartbeat.stop(beating)
             await self.broker.close()
 
     async def _consume(self) -> None:
@@ -142,6 +153,7 @@ class Worker:
 
     async def handle(self, delivery: Delivery) -> None:
         self.stats.received += 1
+        self.metrics.received.labels(self.backend).inc()
         msg = delivery.message
         if msg is None:
             self._discard("undecodable")
@@ -154,6 +166,7 @@ class Worker:
         if early > 0 and delivery.claimed is None:
             if early > _EARLY_HOLD_SECONDS:
                 self.stats.deferred += 1
+                self.metrics.deferred.labels(self.backend).inc()
                 await self.broker.defer(delivery, early)
                 return
             await asyncio.sleep(early)
@@ -163,20 +176,24 @@ class Worker:
             if rec is None:
                 if reason == "not_due":
                     self.stats.deferred += 1
+                    self.metrics.deferred.labels(self.backend).inc()
                     await self.broker.defer(delivery, 1.0)
                 else:
                     self._discard(reason)
                     await self.broker.reject(delivery, reason)
                 return
+        started = clock.now()
+        self._observe_start(rec, started)
         try:
             task = self.app.get_task(rec.task)
         except UnknownTaskError as exc:
             # Nothing here can run it: dead-letter it with the reason.
             orphan = Task(name=rec.task, fn=_no_handler, queue=rec.queue)
-            await asyncio.to_thread(
+            outcome = await asyncio.to_thread(
                 Execution(self.app, orphan, rec, self.name, self.dedupe).settle,
                 Verdict(FailureClass.PERMANENT), str(exc))
             self.stats.dead += 1
+            self._observe_outcome(rec, outcome, started)
             await self.broker.ack(delivery)
             return
         if rec.expired(clock.now()):
@@ -184,13 +201,15 @@ class Worker:
             self._discard("expired")
             await self.broker.ack(delivery)
             return
-        await self._execute(task, rec)
+        await self._execute(task, rec, started)
         await self.broker.ack(delivery)
 
     def _discard(self, reason: str) -> None:
         self.stats.discarded[reason] += 1
+        self.metrics.discarded.labels(self.backend, reason).inc()
         if reason in ("stale_version", "already_succeeded", "already_running", "cancelled"):
             self.stats.duplicates += 1
+            self.metrics.duplicates.labels(self.backend, reason).inc()
 
     def _start(self, delivery: Delivery) -> tuple[jobstore.JobRecord | None, str]:
         assert delivery.message is not None
@@ -210,8 +229,9 @@ class Worker:
             jobstore.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
                             now=self.app.clock.now())
 
-    async def _execute(self, task: Task, rec: jobstore.JobRecord) -> None:
+    async def _execute(self, task: Task, rec: jobstore.JobRecord, started: datetime) -> None:
         outcome = await Execution(self.app, task, rec, self.name, self.dedupe).run()
+        self._observe_outcome(rec, outcome, started)
         st = self.stats
         if outcome.status == "succeeded":
             st.succeeded += 1
@@ -224,6 +244,43 @@ class Worker:
             st.failed += 1
             st.retried += outcome.status == "retried"
             st.dead += outcome.status == "dead"
+
+
+    # --- observability -----------------------------------------------------------
+
+    def _info(self) -> dict[str, Any]:
+        st = self.stats
+        return {"role": "worker", "backend": self.backend, "queues": self.queues,
+                "concurrency": self.concurrency, "received": st.received,
+                "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead}
+
+    def _observe_start(self, rec: jobstore.JobRecord, started: datetime) -> None:
+        m, labels = self.metrics, (self.backend, rec.queue)
+        m.start_lateness.labels(*labels).observe(seconds(started, rec.due_at))
+        available = rec.due_at
+        if rec.published_at is not None and rec.published_at > available:
+            available = rec.published_at
+        m.queue_wait.labels(*labels).observe(seconds(started, available))
+
+    def _observe_outcome(self, rec: jobstore.JobRecord, outcome: Outcome,
+                         started: datetime) -> None:
+        m, b, q = self.metrics, self.backend, rec.queue
+        finished = self.app.clock.now()
+        m.execution.labels(b, q, outcome.status).observe(seconds(finished, started))
+        if outcome.status in ("succeeded", "duplicate"):
+            m.succeeded.labels(b, q).inc()
+            m.end_to_end.labels(b, q).observe(seconds(finished, rec.due_at))
+            if outcome.status == "duplicate":
+                m.duplicates.labels(b, "dedupe").inc()
+        elif outcome.status == "lease_lost":
+            m.lease_lost.labels(b, q).inc()
+        else:
+            cls = str(outcome.failure_class or "unknown")
+            m.failed.labels(b, q, cls).inc()
+            if outcome.status == "retried":
+                m.retried.labels(b, q).inc()
+            elif outcome.status == "dead":
+                m.dead.labels(b, q, cls).inc()
 
 
 def _no_handler(payload: Any, ctx: Any) -> None:  # pragma: no cover - never called

@@ -44,6 +44,7 @@ _ROW_COLUMNS = (
     job.c.lease_owner,
     job.c.lease_generation,
     job.c.checkpoint,
+    job.c.published_at,
 )
 
 
@@ -67,6 +68,7 @@ class JobRecord:
     lease_owner: str | None
     lease_generation: int
     checkpoint: Any = None
+    published_at: datetime | None = None  # the last hand-over to the broker (metrics)
     attempt_id: uuid.UUID | None = None
 
     def to_message(self) -> JobMessage:

@@ -42,7 +42,9 @@ from duebox import jobstore
 from duebox.brokers.base import Broker, Outgoing, open_broker
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import BrokerError, DatabaseError
+from duebox.heartbeat import ProcessHeartbeat, prune
 from duebox.ids import process_token
+from duebox.metrics import DBCollector, Metrics, process_metrics, seconds
 
 from .catchup import CatchUp
 from .schedules import ScheduleStep
@@ -99,6 +101,9 @@ class Relay:
         hold_window: float | None = None,
         recover_interval: float = 1.0,
         reconcile_interval: float = 300.0,
+        metrics: Metrics | None = None,
+        heartbeat_interval: float = 5.0,
+        collect_interval: float = 5.0,
     ) -> None:
         self.app = app
         self.name = name or process_token("relay")
@@ -125,6 +130,14 @@ class Relay:
         self._sweeping = False
         self.schedules = ScheduleStep(app, self.batch_size)
         self.catchup = CatchUp(app, self.batch_size)
+        # Observability (docs/observability.md): event metrics, the periodic
+        # database snapshot and this relay's registry row.
+        self.metrics = metrics or process_metrics()
+        self.backend = caps.name
+        self.collector = DBCollector(self.metrics, interval=collect_interval)
+        self.heartbeat = ProcessHeartbeat(
+            app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
+            info=self._info, tick=self._collect, tick_interval=collect_interval)
 
     # --- one pass ------------------------------------------------------------
 
@@ -132,7 +145,11 @@ class Relay:
         stats = PassStats()
         if time.monotonic() - self._last_recover >= self.recover_interval:
             self._last_recover = time.monotonic()
-            stats.recovered = (await asyncio.to_thread(self._recover)).total
+            recovered = await asyncio.to_thread(self._recover)
+            stats.recovered = recovered.total
+            for kind in ("dispatching", "running", "dead", "enqueued"):
+                if getattr(recovered, kind):
+                    self.metrics.recovered.labels(kind).inc(getattr(recovered, kind))
             stats.expired += await asyncio.to_thread(self.catchup.sweep)
         stats.occurrences = await self.schedules.run()
         if not self.broker.capabilities.direct_claim:
@@ -192,6 +209,10 @@ class Relay:
     async def _dispatch(self, records: list[jobstore.JobRecord], owner: str,
                         stats: PassStats) -> None:
         now = self.app.clock.now()
+        m = self.metrics
+        for rec in records:  # claimed just now: claim - due, 0 when claimed ahead
+            m.claimed.labels(self.backend, rec.queue).inc()
+            m.scheduling_lag.labels(self.backend, rec.queue).observe(seconds(now, rec.due_at))
         expired = [r.id for r in records if self.catchup.too_late(r, now)]
         if expired:
             stats.expired += await asyncio.to_thread(self._db, jobstore.expire, owner, expired)
@@ -205,7 +226,7 @@ class Relay:
                 stats.held += 1
             else:
                 ready.append(rec)
-        await self._publish(ready, owner, stats)
+        await self._publish(ready, owner, stats, claimed_at=now)
 
     def _release_time(self, rec: jobstore.JobRecord) -> datetime:
         if self.max_delay is None:
@@ -232,7 +253,7 @@ class Relay:
         return ticks * self.precision
 
     async def _publish(self, records: list[jobstore.JobRecord], owner: str,
-                       stats: PassStats) -> None:
+                       stats: PassStats, claimed_at: datetime | None = None) -> None:
         if not records:
             return
         now = self.app.clock.now()
@@ -247,6 +268,7 @@ class Relay:
         ok = [r.job_id for r in results if r.ok]
         failed = [r.job_id for r in results if not r.ok]
         stats.published += len(ok)
+        self._observe_published(records, set(ok), now, claimed_at)
         if failed:
             stats.failed += len(failed)
             log.warning("broker refused %d of %d messages; they go back to SCHEDULED",
@@ -255,6 +277,19 @@ class Relay:
         marked = await asyncio.to_thread(self._db, jobstore.mark_enqueued, owner, ok)
         stats.marked += marked
         stats.lost_marks += len(ok) - marked
+
+    def _observe_published(self, records: list[jobstore.JobRecord], ok: set[object],
+                           now: datetime, claimed_at: datetime | None) -> None:
+        """Dispatch lag: publish minus the moment the job could be published
+        (its claim, or its release time when it was held)."""
+        m = self.metrics
+        for rec in records:
+            if rec.id in ok:
+                ready = self._release_time(rec)
+                if claimed_at is not None and claimed_at > ready:
+                    ready = claimed_at
+                m.published.labels(self.backend, rec.queue).inc()
+                m.dispatch_lag.labels(self.backend).observe(seconds(now, ready))
 
     def _db(self, fn: object, owner: str, ids: Sequence[object]) -> int:
         with db_errors("mark"), self.app.engine.begin() as conn:
@@ -315,10 +350,33 @@ class Relay:
         return rec
 
     def _add(self, stats: PassStats) -> None:
+        m, b = self.metrics, self.backend
+        m.relay_passes.labels(b).inc()
+        for counter, n in ((m.marked, stats.marked), (m.lost_marks, stats.lost_marks),
+                           (m.expired, stats.expired), (m.publish_failed, stats.failed),
+                           (m.reconciled, stats.reconciled)):
+            if n:
+                counter.labels(b).inc(n)
         t = self.totals
         t.passes += 1
         for name in PassStats.__dataclass_fields__:
             setattr(t, name, getattr(t, name) + getattr(stats, name))
+
+    # --- observability ---------------------------------------------------------
+
+    def _info(self) -> dict[str, object]:
+        t = self.totals
+        return {"role": "relay", "backend": self.backend, "passes": t.passes,
+                "claimed": t.claimed, "published": t.published, "errors": t.errors}
+
+    def _collect(self) -> None:
+        """The database snapshot behind the state gauges, and pruning of
+        expired registry rows (run by the heartbeat task)."""
+        now = self.app.clock.now()
+        snap = self.collector.collect(self.app.engine, now)
+        if snap.expired_processes:
+            with self.app.engine.begin() as conn:
+                prune(conn, now=now, names=snap.expired_processes)
 
     # --- the loop --------------------------------------------------------------
 
@@ -351,6 +409,7 @@ class Relay:
         if not await open_broker(self.broker, stop):
             return
         await waker.start()
+        beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-relay-heartbeat")
         backoff = 0.1
         log.info("relay %s started on %s (max_delay=%s)", self.name,
                  self.broker.capabilities.name, self.max_delay)
@@ -362,12 +421,14 @@ class Relay:
                     backoff = 0.1
                 except (DatabaseError, BrokerError) as exc:
                     self.totals.errors += 1
+                    self.metrics.relay_errors.labels(self.backend).inc()
                     log.warning("relay pass failed (%s); retrying in %.1fs", exc, backoff)
                     wait = backoff
                     backoff = min(backoff * 2, 10.0)
                 await wait_any(wait, waker.event, stop)
                 waker.event.clear()
         finally:
+            await self.heartbeat.stop(beating)
             await self._give_back_held()
             await waker.stop()
             await self.broker.close()

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -226,11 +228,13 @@ class Running:
     """
 
     def __init__(self, app: duebox.Duebox, *, relays: int = 1, workers: int = 1,
-                 concurrency: int = 4, relay_kw: dict[str, Any] | None = None) -> None:
+                 concurrency: int = 4, relay_kw: dict[str, Any] | None = None,
+                 worker_kw: dict[str, Any] | None = None) -> None:
         self.app = app
         self.relays = [Relay(app, recover_interval=0.1, **(relay_kw or {}))
                        for _ in range(relays)]
-        self.workers = [Worker(app, concurrency=concurrency) for _ in range(workers)]
+        self.workers = [Worker(app, concurrency=concurrency, **(worker_kw or {}))
+                        for _ in range(workers)]
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -252,6 +256,14 @@ class Running:
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop.set()
+        _, pending = await asyncio.wait(self.tasks, timeout=20)
+        if pending:
+            # A stop that hangs is a bug to find, not to wait out: show where
+            # every task and thread is before the timeout below fails the test.
+            for t in asyncio.all_tasks():
+                print("still running:", t, file=sys.stderr)
+                t.print_stack(file=sys.stderr)
+            faulthandler.dump_traceback(file=sys.stderr)
         results = await asyncio.wait_for(
             asyncio.gather(*self.tasks, return_exceptions=True), timeout=30
         )

@@ -1,0 +1,155 @@
+"""The process registry: relays and workers heartbeat a ``duebox_lease`` row.
+
+Each process owns one row named ``relay:<token>`` or ``worker:<token>``
+(the process token is unique across restarts and hosts) with
+``expires_at = now + ttl`` and an ``info`` JSON (backend, queues, pid, host,
+started_at, counters).  A clean stop deletes the row; a crashed process's row
+simply expires: readers ignore expired rows and the relay prunes them.  Other
+uses of ``duebox_lease`` (named leases) never carry these prefixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, delete, or_, select, update
+
+from .tables import lease
+
+log = logging.getLogger("duebox.heartbeat")
+
+ROLES = ("relay", "worker")
+
+
+def row_name(role: str, name: str) -> str:
+    """``relay:<token>``: a process name already carrying its role is kept."""
+    return name if name.startswith(f"{role}:") else f"{role}:{name}"
+
+
+def beat(conn: Connection, *, name: str, now: datetime, ttl: float,
+         info: dict[str, Any]) -> None:
+    """Create or renew this process's row (an update, else an insert: the
+    name is this process's own, so nobody races for it)."""
+    values = {"owner": name, "expires_at": now + timedelta(seconds=ttl),
+              "info": {**info, "heartbeat_at": now.isoformat()}}
+    if conn.execute(update(lease).where(lease.c.name == name).values(**values)).rowcount == 0:
+        conn.execute(lease.insert().values(name=name, epoch=0, **values))
+
+
+def remove(conn: Connection, *, name: str) -> None:
+    conn.execute(delete(lease).where(lease.c.name == name))
+
+
+def _ours() -> Any:
+    return or_(*[lease.c.name.like(f"{role}:%") for role in ROLES])
+
+
+def expired_names(conn: Connection, *, now: datetime, limit: int = 500) -> list[str]:
+    ids = select(lease.c.name).where(_ours(), lease.c.expires_at < now).limit(limit)
+    return list(conn.execute(ids).scalars())
+
+
+def prune(conn: Connection, *, now: datetime, limit: int = 500,
+          names: list[str] | None = None) -> int:
+    """Delete up to ``limit`` expired process rows (``names``: those found
+    expired by an earlier read)."""
+    if names is None:
+        names = expired_names(conn, now=now, limit=limit)
+    if not names:
+        return 0
+    return conn.execute(
+        delete(lease).where(lease.c.name.in_(names), lease.c.expires_at < now)).rowcount
+
+
+def alive(conn: Connection, now: datetime, limit: int = 1000) -> list[Any]:
+    """Unexpired process rows (at most ``limit``), relays first."""
+    from .metrics import ProcessRow
+
+    rows = conn.execute(
+        select(lease.c.name, lease.c.expires_at, lease.c.info)
+        .where(_ours(), lease.c.expires_at >= now).order_by(lease.c.name).limit(limit)
+    ).all()
+    out = []
+    for name, expires_at, info in rows:
+        info = dict(info or {})
+        at = info.get("heartbeat_at")
+        out.append(ProcessRow(name=name, role=name.split(":", 1)[0],
+                              heartbeat_at=datetime.fromisoformat(at) if at else None,
+                              expires_at=expires_at, info=info))
+    return out
+
+
+
+
+class ProcessHeartbeat:
+    """Keeps a process's registry row fresh while :meth:`run` runs and deletes
+    it on a clean stop.  ``tick`` (optional, sync) runs every ``tick_interval``
+    seconds in the same loop — the relay's database snapshot and pruning."""
+
+    def __init__(
+        self, engine: Any, clock: Any, *, role: str, name: str,
+        info: Callable[[], dict[str, Any]], interval: float = 5.0, ttl_intervals: float = 3.0,
+        tick: Callable[[], None] | None = None, tick_interval: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.name = row_name(role, name)
+        self.info = info
+        self.interval = interval
+        self.ttl = interval * ttl_intervals
+        self.tick = tick
+        self.tick_interval = tick_interval if tick_interval is not None else interval
+        self.started_at = clock.now()
+        self.beats = 0
+
+    def beat_once(self) -> None:
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started_at": self.started_at.isoformat(), **self.info()}
+        with self.engine.begin() as conn:
+            beat(conn, name=self.name, now=self.clock.now(), ttl=self.ttl, info=info)
+        self.beats += 1
+
+    def remove_once(self) -> None:
+        with self.engine.begin() as conn:
+            remove(conn, name=self.name)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        last_beat = last_tick = -math.inf
+        while not stop.is_set():
+            now = time.monotonic()
+            try:
+                if now - last_beat >= self.interval:
+                    last_beat = now
+                    await asyncio.to_thread(self.beat_once)
+                if self.tick is not None and now - last_tick >= self.tick_interval:
+                    last_tick = now
+                    await asyncio.to_thread(self.tick)
+            except Exception as exc:  # never fatal: the next beat retries
+                log.warning("%s: heartbeat failed: %s", self.name, exc)
+            wait = min(self.interval, self.tick_interval if self.tick else self.interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+
+    async def stop(self, task: asyncio.Task[None] | None) -> None:
+        """Stop ``task`` (this heartbeat's :meth:`run`) and delete the row."""
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        try:
+            await asyncio.to_thread(self.remove_once)
+        except Exception as exc:  # the row expires on its own
+            log.warning("%s: could not remove the heartbeat row: %s", self.name, exc)
+
+
+__all__ = ["ROLES", "ProcessHeartbeat", "alive", "beat", "expired_names", "prune", "remove",
+           "row_name"]
