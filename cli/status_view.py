@@ -107,10 +107,14 @@ def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
     workers = [_process_view(p, now) for p in snap.processes if p.role == "worker"]
 
     problems, warnings = [], []
+    # Missing processes matter only when there is work for them.
+    active = sum(n for state, n in states.items()
+                 if state in ("SCHEDULED", "DISPATCHING", "ENQUEUED", "RUNNING"))
+    idle = warnings if not active else problems
     if not relays:
-        problems.append("no live relay: nothing claims, recovers leases or fires schedules")
+        idle.append("no live relay: nothing claims, recovers leases or fires schedules")
     if not workers:
-        problems.append("no live worker")
+        idle.append("no live worker")
     for q, v in queues.items():
         if v["oldest_due_age_s"] > max_due_age:
             problems.append(f"queue {q}: oldest due job waited {v['oldest_due_age_s']:.0f} s "
