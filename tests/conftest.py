@@ -1,4 +1,5 @@
-"""Shared fixtures: real SQLite files and real PostgreSQL databases.
+"""Shared fixtures: real SQLite files and real PostgreSQL databases, and an
+isolated corner of the real Redis and RabbitMQ servers.
 
 Each test session creates its own PostgreSQL database (dropped at the end),
 so tests never assume a clean shared one.  A service that cannot be reached
@@ -9,10 +10,13 @@ machine without it.
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
+from backends import AMQP, REDIS, Keys, rabbitmqctl
 from sqlalchemy import create_engine, text
 
 import duebox
@@ -70,3 +74,45 @@ def database_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
         url = request.getfixturevalue("pg_server_url")
     reset_tables(url)
     return url
+
+
+@pytest.fixture
+def redis_keys() -> Iterator[Keys]:
+    """A key prefix of this test's own on the real Redis, deleted at the end."""
+    import redis
+
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    with redis.Redis.from_url(REDIS) as client:
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            service_missing("Redis", exc)
+        k = Keys(client, prefix)
+        try:
+            yield k
+        finally:
+            k.wipe()
+
+
+@pytest.fixture(scope="session")
+def amqp_vhost() -> Iterator[str]:
+    """A fresh RabbitMQ vhost for this test session: its URL, without query."""
+    import pika
+    import pika.exceptions
+
+    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
+    user = urlsplit(AMQP).username or "guest"
+    url = f"{AMQP.rstrip('/')}/{name}"
+    created = False
+    try:
+        try:
+            rabbitmqctl("add_vhost", name)
+            created = True
+            rabbitmqctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
+            pika.BlockingConnection(pika.URLParameters(url)).close()
+        except (OSError, subprocess.SubprocessError, pika.exceptions.AMQPError) as exc:
+            service_missing("RabbitMQ (with rabbitmqctl)", RuntimeError(f"{url}: {exc!r}"))
+        yield url
+    finally:
+        if created:
+            rabbitmqctl("delete_vhost", name)

@@ -1,19 +1,19 @@
 """The ``amqp://`` backend: its topology as data, the plugin path against a
 fake pika connection, and the tier topology against a real RabbitMQ.
 
-The real-broker tests run in a vhost of their own (created with
-``rabbitmqctl`` and deleted at the end); each test uses its own duebox queue
-names, or its own ``?prefix=`` when it looks at shared objects.  Under
-``CI=true`` an unreachable RabbitMQ fails them instead of skipping them.  The
-restart test stops the broker with ``rabbitmqctl stop_app`` and starts it
-again in a ``finally``.
+The real-broker tests run in a vhost of their own (the ``amqp_vhost``
+fixture of ``conftest.py``: created with ``rabbitmqctl``, deleted at the
+end); each test uses its own duebox queue names, or its own ``?prefix=`` when
+it looks at shared objects.  Under ``CI=true`` an unreachable RabbitMQ fails
+them instead of skipping them.  Delays, cancel, reschedule, parking and the
+broker restart end to end are clauses of the shared contract
+(``tests/contract/``); this file keeps what is specific to this backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import signal
 import subprocess
@@ -24,16 +24,14 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 import pika
 import pika.exceptions
 import pika.frame
 import pika.spec
 import pytest
-from conftest import reset_tables, service_missing
+from conftest import reset_tables
 from helpers import (
-    cancel_committed,
     check_no_early_start,
     create_effects,
     effect_rows,
@@ -41,7 +39,6 @@ from helpers import (
     effects,
     job_row,
     schedule_committed,
-    us,
 )
 
 import duebox
@@ -65,37 +62,10 @@ from duebox.message import JobMessage
 from duebox.registry import broker_class
 from duebox.relay import Relay
 
-AMQP = os.environ.get("DUEBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
 PROCS = Path(__file__).parent / "procs"
 
 
 # --- fixtures and helpers ------------------------------------------------------
-
-
-def rabbitmqctl(*args: str, timeout: float = 60) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True,
-                   timeout=timeout)
-
-
-@pytest.fixture(scope="session")
-def amqp_vhost() -> Iterator[str]:
-    """A fresh vhost for this test session: its URL, without query."""
-    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
-    user = urlsplit(AMQP).username or "guest"
-    url = f"{AMQP.rstrip('/')}/{name}"
-    created = False
-    try:
-        try:
-            rabbitmqctl("add_vhost", name)
-            created = True
-            rabbitmqctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
-            pika.BlockingConnection(pika.URLParameters(url)).close()
-        except (OSError, subprocess.SubprocessError, pika.exceptions.AMQPError) as exc:
-            service_missing("RabbitMQ (with rabbitmqctl)", RuntimeError(f"{url}: {exc!r}"))
-        yield url
-    finally:
-        if created:
-            rabbitmqctl("delete_vhost", name)
 
 
 @pytest.fixture
@@ -259,27 +229,8 @@ def alive(tasks: list[asyncio.Task[None]]) -> Callable[[], None]:
     return check
 
 
-def diagnose(app: duebox.Duebox, ids: list[uuid.UUID], url: str, relay: Relay,
-             worker: Worker) -> str:
-    """What a stuck job looks like, for a failure message."""
-    rows = [job_row(app.engine, i) for i in ids]
-    stuck = [(str(r.id)[-6:], str(r.state), r.version, r.attempt) for r in rows
-             if str(r.state) != "SUCCEEDED"]
-    t = Topology()
-    with admin(url) as ch:
-        counts = {name: ch.queue_declare(name, passive=True).method.message_count
-                  for name in [t.dead_letter, *(t.tier_queue(j, d) for j in range(3)
-                                                for d in range(1, 16))]}
-    return (f"stuck={stuck} queues={ {k: v for k, v in counts.items() if v} } "
-            f"relay={relay.totals} worker={worker.stats}")
-
-
 def state(app: duebox.Duebox, job_id: uuid.UUID) -> str:
     return str(job_row(app.engine, job_id).state)
-
-
-def succeeded(app: duebox.Duebox, ids: list[uuid.UUID]) -> Callable[[], bool]:
-    return lambda: all(state(app, i) == "SUCCEEDED" for i in ids)
 
 
 # --- configuration ---------------------------------------------------------------
@@ -782,25 +733,6 @@ async def test_quorum_queues_deliver_through_tiers(amqp_vhost: str) -> None:
 # --- end to end: relay, worker, database ----------------------------------------------
 
 
-async def test_delays_honoured_end_to_end(
-        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
-    q = unique()
-    app = make_app(database_url, amqp_url, q)
-    relay, worker = Relay(app), Worker(app, concurrency=4)
-    delays = [0.0, 0.05, 0.3, 0.7, 1.3, 2.047]
-    stop, tasks = await start(relay, worker)
-    try:
-        ids = [schedule_committed(app, "effect", {"d": d}, delay=d) for d in delays]
-        await until(succeeded(app, ids), seconds=20, what="all jobs ran", check=alive(tasks))
-    finally:
-        await finish(stop, tasks)
-    check_no_early_start(app.engine)
-    rows = effect_rows(app.engine)
-    assert sorted(rows) == sorted(str(i) for i in ids)
-    for r in rows.values():
-        assert 0 <= r.started_us - r.due_us < 1_000_000, "more than 1 s late"
-
-
 async def test_duplicate_publishes_run_once(
         database_url: str, amqp_url: str, make_app: MakeApp) -> None:
     q = unique()
@@ -837,57 +769,6 @@ def _message(app: duebox.Duebox, job_id: uuid.UUID, wanted: str) -> JobMessage |
     return JobMessage(job_id=row.id, task=row.task, queue=row.queue, version=row.version,
                       attempt=row.attempt, due_at=_aware(row.due_at), payload=row.payload,
                       headers=row.headers or {})
-
-
-async def test_cancelled_and_rescheduled_messages_never_run(
-        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
-    q = unique()
-    app = make_app(database_url, amqp_url, q)
-    relay, worker = Relay(app), Worker(app, concurrency=4)
-    stop, tasks = await start(relay, worker)
-    try:
-        cancelled = schedule_committed(app, "effect", delay=1.0)
-        moved = schedule_committed(app, "effect", delay=1.0)
-        await until(lambda: state(app, cancelled) == state(app, moved) == "ENQUEUED",
-                    seconds=10, what="both published", check=alive(tasks))
-        assert cancel_committed(app, cancelled)
-        with app.engine.begin() as conn:
-            app.reschedule(conn, moved, delay=1.5)
-        await until(lambda: state(app, moved) == "SUCCEEDED"
-                    and worker.stats.discarded["cancelled"] == 1
-                    and worker.stats.discarded["stale_version"] == 1,
-                    seconds=15, what="stale messages discarded, new one run",
-                    check=alive(tasks))
-    finally:
-        await finish(stop, tasks)
-    assert list(effect_rows(app.engine)) == [str(moved)]
-    assert state(app, cancelled) == "CANCELLED"
-    check_no_early_start(app.engine)
-
-
-async def test_max_delay_parks_jobs_until_near_due(
-        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
-    q = unique()
-    app = make_app(database_url, f"{amqp_url}?max_delay=2", q)
-    relay, worker = Relay(app), Worker(app, concurrency=4)
-    assert relay.max_delay == 2
-    stop, tasks = await start(relay, worker)
-    try:
-        ids = [schedule_committed(app, "effect", delay=d) for d in (4.0, 4.5, 5.0)]
-        passes = relay.totals.passes
-        await until(lambda: relay.totals.passes >= passes + 3, seconds=10,
-                    what="three relay passes", check=alive(tasks))
-        assert {state(app, i) for i in ids} == {"SCHEDULED"}  # parked, not published
-        await until(succeeded(app, ids), seconds=15, what="parked jobs ran",
-                    check=alive(tasks))
-    finally:
-        await finish(stop, tasks)
-    check_no_early_start(app.engine)
-    for i in ids:
-        row = job_row(app.engine, i)
-        published, due = us(_aware(row.published_at)), us(_aware(row.due_at))
-        assert published >= due - 2_000_000, "published earlier than max_delay before due"
-    assert sorted(effect_rows(app.engine)) == sorted(str(i) for i in ids)
 
 
 def _aware(dt: datetime) -> datetime:
@@ -944,41 +825,3 @@ async def test_sigkilled_worker_messages_are_redelivered_and_deduplicated(
     # a slow machine, already recovered and ran it; either way once.
     assert second.stats.received >= 2
     check_no_early_start(app.engine)
-
-
-@pytest.mark.slow
-async def test_broker_restart_loses_nothing(
-        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
-    """Jobs waiting in the tiers, in the queue, in flight and not yet
-    published when RabbitMQ stops all run exactly once after it is back.
-
-    Classic queues dead-letter at most once between tiers, so a hop caught by
-    the shutdown can lose its message; the job table's backstop (a job still
-    ENQUEUED ``redeliver_after`` past its due time is published again) covers
-    that, shortened here so the test need not wait 15 minutes for it."""
-    q = unique()
-    app = make_app(database_url, amqp_url, q, redeliver_after=10.0)
-    relay, worker = Relay(app), Worker(app, concurrency=4)
-    stop, tasks = await start(relay, worker)
-    ids = [schedule_committed(app, "effect", {"i": i}, delay=i * 0.15) for i in range(20)]
-    try:
-        await until(lambda: len(effect_rows(app.engine)) >= 3, seconds=15,
-                    what="some jobs ran", check=alive(tasks))
-        try:
-            await asyncio.to_thread(rabbitmqctl, "stop_app")
-            ids += [schedule_committed(app, "effect", {"i": i}, delay=0.2) for i in range(5)]
-            await until(lambda: relay.totals.errors >= 1, seconds=20,
-                        what="the relay noticed the outage", check=alive(tasks))
-        finally:
-            await asyncio.to_thread(rabbitmqctl, "start_app")
-            await asyncio.to_thread(rabbitmqctl, "await_startup")
-        try:
-            await until(succeeded(app, ids), seconds=60, what="every job ran after the restart",
-                        check=alive(tasks))
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; {diagnose(app, ids, amqp_url, relay, worker)}") from None
-    finally:
-        await finish(stop, tasks)
-    assert sorted(effect_rows(app.engine)) == sorted(str(i) for i in ids)
-    check_no_early_start(app.engine)
-

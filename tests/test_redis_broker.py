@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import math
-import os
 import random
 import signal
 import subprocess
@@ -25,9 +24,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-import redis
 import sqlalchemy as sa
-from conftest import service_missing
+from backends import REDIS, Keys
 from helpers import (
     Running,
     attempt_rows,
@@ -55,60 +53,10 @@ from duebox.registry import broker_class
 from duebox.relay import Relay
 from duebox.tables import job
 
-REDIS = os.environ.get("DUEBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
-
-
-class Keys:
-    """A look at one test's keys, with a plain synchronous client."""
-
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
-        self.client = client
-        self.prefix = prefix
-
-    def k(self, part: str, queue: str = "default") -> str:
-        return f"{self.prefix}:{{{queue}}}:{part}"
-
-    def parked(self, queue: str = "default") -> int:
-        return int(self.client.zcard(self.k("due", queue)))
-
-    def score(self, job_id: uuid.UUID, queue: str = "default") -> float | None:
-        return self.client.zscore(self.k("due", queue), str(job_id))
-
-    def held(self, job_id: uuid.UUID, queue: str = "default") -> str | None:
-        value = self.client.hget(self.k("held", queue), str(job_id))
-        return None if value is None else value.decode()
-
-    def stream_len(self, queue: str = "default") -> int:
-        return int(self.client.xlen(self.k("ready", queue)))
-
-    def pending(self, queue: str = "default") -> int:
-        try:
-            return int(self.client.xpending(self.k("ready", queue), "duebox")["pending"])
-        except redis.ResponseError:  # no group yet
-            return 0
-
-    def all(self) -> list[bytes]:
-        return list(self.client.scan_iter(match=f"{self.prefix}:*", count=1000))
-
-    def wipe(self) -> int:
-        """What FLUSHALL does to this backend: every key under the prefix goes."""
-        found = self.all()
-        return int(self.client.delete(*found)) if found else 0
-
 
 @pytest.fixture
-def keys() -> Iterator[Keys]:
-    prefix = f"t{uuid.uuid4().hex[:12]}"
-    with redis.Redis.from_url(REDIS) as client:
-        try:
-            client.ping()
-        except redis.RedisError as exc:
-            service_missing("Redis", exc)
-        k = Keys(client, prefix)
-        try:
-            yield k
-        finally:
-            k.wipe()
+def keys(redis_keys: Keys) -> Keys:
+    return redis_keys
 
 
 def url(keys: Keys, **params: object) -> str:
@@ -157,10 +105,6 @@ async def until(running: Running | None, predicate: Callable[[], Any], *, second
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {seconds}s waiting for {what}")
         await asyncio.sleep(0.05)
-
-
-def lateness_ms(app: duebox.Duebox) -> list[float]:
-    return sorted((e.started_us - e.due_us) / 1000 for e in effect_rows(app.engine).values())
 
 
 # --- configuration ------------------------------------------------------------------
@@ -300,34 +244,7 @@ async def test_broker_delivers_at_the_due_millisecond(keys: Keys) -> None:
     assert late[len(late) // 2] < 0.05, late
 
 
-# --- the contract, end to end ---------------------------------------------------------
-
-
-async def test_delay_is_honoured_and_never_early(app: duebox.Duebox) -> None:
-    delays = [0.0, *(0.3 + 0.06 * i for i in range(20))]
-    ids = [schedule_committed(app, delay=d) for d in delays]
-    async with Running(app, workers=2) as r:
-        await until(r, lambda: len(effect_rows(app.engine)) == len(ids), seconds=15,
-                    what="every job to run")
-    check_no_early_start(app.engine)
-    late = lateness_ms(app)
-    assert late[0] >= 0, late
-    assert late[-1] < 5000, late  # a sanity bound; precision is tested below and benched
-    assert all(app.calls.count(j) == 1 for j in ids)  # type: ignore[attr-defined]
-
-
-async def test_ordering_follows_due_time(app: duebox.Duebox) -> None:
-    base = datetime.now(UTC) + timedelta(seconds=0.8)
-    dues = [base + timedelta(seconds=0.04 * i) for i in range(15)]
-    order = list(range(len(dues)))
-    random.Random(7).shuffle(order)
-    ids = {i: schedule_committed(app, at=dues[i]) for i in order}
-    async with Running(app, workers=1, concurrency=1) as r:
-        await until(r, lambda: len(effect_rows(app.engine)) == len(ids), seconds=15,
-                    what="every job to run")
-    rows = effect_rows(app.engine)
-    ran = sorted(rows.values(), key=lambda e: e.started_us)
-    assert [e.job_id for e in ran] == [str(ids[i]) for i in range(len(dues))]
+# --- end to end (delays, ordering: in the shared contract, tests/contract/) -----------
 
 
 async def test_duplicate_publish_runs_once(app: duebox.Duebox, keys: Keys) -> None:
