@@ -106,7 +106,8 @@ def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
     relays = [_process_view(p, now) for p in snap.processes if p.role == "relay"]
     workers = [_process_view(p, now) for p in snap.processes if p.role == "worker"]
 
-    problems, warnings = [], []
+    problems: list[str] = []
+    warnings: list[str] = []
     # Missing processes matter only when there is work for them.
     active = sum(n for state, n in states.items()
                  if state in ("SCHEDULED", "DISPATCHING", "ENQUEUED", "RUNNING"))

@@ -10,10 +10,11 @@ import contextlib
 import logging
 import threading
 import traceback
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -30,6 +31,42 @@ if TYPE_CHECKING:
     from duebox.app import Duebox
 
 log = logging.getLogger("duebox.worker")
+
+T = TypeVar("T")
+
+
+class Pools:
+    """Where blocking work runs.  Handlers get a pool as large as the worker's
+    concurrency; the worker's own short database calls (start, heartbeat,
+    settle) get a separate one, so busy handlers can never starve the
+    heartbeats that keep their leases (which would let a healthy job be
+    taken over and run again)."""
+
+    def __init__(self, handlers: ThreadPoolExecutor | None, control: ThreadPoolExecutor | None
+                 ) -> None:
+        self._handlers = handlers
+        self._control = control
+
+    @classmethod
+    def default(cls) -> Pools:
+        return cls(None, None)
+
+    @classmethod
+    def for_worker(cls, concurrency: int) -> Pools:
+        return cls(ThreadPoolExecutor(concurrency, thread_name_prefix="duebox-handler"),
+                   ThreadPoolExecutor(4, thread_name_prefix="duebox-db"))
+
+    def handler(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._handlers, fn, *args)
+
+    def db(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._control, fn, *args)
+
+    def shutdown(self) -> None:
+        # A timed-out sync handler may still be running: do not wait for it.
+        for pool in (self._handlers, self._control):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Duplicate(Exception):
@@ -53,7 +90,8 @@ class Execution:
     """One attempt of one job.  Also the handler's :class:`JobControl`."""
 
     def __init__(self, app: Duebox, task: Task, rec: jobstore.JobRecord, worker: str,
-                 dedupe: SQLDedupeStore) -> None:
+                 dedupe: SQLDedupeStore, pools: Pools | None = None) -> None:
+        self.pools = pools or Pools.default()
         self.app = app
         self.task = task
         self.rec = rec
@@ -105,7 +143,7 @@ class Execution:
                 await beat
 
     async def _run_with_timeout(self) -> Outcome:
-        work = self._run_async() if self.task.is_async else asyncio.to_thread(self._run_sync)
+        work = self._run_async() if self.task.is_async else self.pools.handler(self._run_sync)
         try:
             if self.task.timeout is None:
                 return await work
@@ -118,12 +156,12 @@ class Execution:
                 # A sync handler's thread cannot be stopped: it is told through
                 # ctx.cancelled, and its completion will find the lease gone.
                 self.cancelled = True
-                return await asyncio.to_thread(
+                return await self.pools.db(
                     self.settle, Verdict(FailureClass.TRANSIENT),
                     f"timeout: ran longer than {self.task.timeout:g} s",
                 )
         except _Duplicate:
-            return await asyncio.to_thread(self._close_duplicate)
+            return await self.pools.db(self._close_duplicate)
         except LeaseLostError:
             log.warning("job %s: lease lost before completion; its writes were rolled back",
                         self.rec.id)
@@ -131,7 +169,7 @@ class Execution:
         except Exception as exc:
             verdict = self.task.classifier.classify(exc)
             error = "".join(traceback.format_exception_only(exc)).strip()
-            return await asyncio.to_thread(self.settle, verdict, error)
+            return await self.pools.db(self.settle, verdict, error)
 
     def _run_sync(self) -> Outcome:
         engine = self.app.engine.execution_options(**{SQLITE_DEFERRED: True})
@@ -221,7 +259,7 @@ class Execution:
         while True:
             await asyncio.sleep(self.lease / 3)
             try:
-                ok = await asyncio.to_thread(self.heartbeat)
+                ok = await self.pools.db(self.heartbeat)
             except DatabaseError as exc:
                 log.warning("job %s: heartbeat failed: %s", self.rec.id, exc)
                 continue

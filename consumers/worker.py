@@ -38,7 +38,7 @@ from duebox.metrics import Metrics, process_metrics, seconds
 from duebox.tasks import Task
 
 from .dedupe import SQLDedupeStore
-from .execution import Execution, Outcome
+from .execution import Execution, Outcome, Pools
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -85,6 +85,8 @@ class Worker:
         self.broker = broker or app.broker(self.name)
         self.queues = list(queues) if queues else app.queues
         self.concurrency = concurrency or app.settings.concurrency
+        # Replaced by the worker's own thread pools while it runs (see Pools).
+        self.pools = Pools.default()
         self.dedupe = dedupe or SQLDedupeStore()
         self.stats = WorkerStats()
         self._slots = asyncio.Semaphore(self.concurrency)
@@ -100,6 +102,7 @@ class Worker:
         stop = stop or asyncio.Event()
         if not await open_broker(self.broker, stop):
             return
+        self.pools = Pools.for_worker(self.concurrency)
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
         stopper = asyncio.create_task(stop.wait())
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")
@@ -116,6 +119,8 @@ class Worker:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.heartbeat.stop(beating)
             await self.broker.close()
+            self.pools.shutdown()
+            self.pools = Pools.default()
 
     async def _consume(self) -> None:
         backoff = 0.1
@@ -172,7 +177,7 @@ class Worker:
             await asyncio.sleep(early)
         rec = delivery.claimed
         if rec is None:
-            rec, reason = await asyncio.to_thread(self._start, delivery)
+            rec, reason = await self.pools.db(self._start, delivery)
             if rec is None:
                 if reason == "not_due":
                     self.stats.deferred += 1
@@ -189,15 +194,15 @@ class Worker:
         except UnknownTaskError as exc:
             # Nothing here can run it: dead-letter it with the reason.
             orphan = Task(name=rec.task, fn=_no_handler, queue=rec.queue)
-            outcome = await asyncio.to_thread(
-                Execution(self.app, orphan, rec, self.name, self.dedupe).settle,
+            outcome = await self.pools.db(
+                Execution(self.app, orphan, rec, self.name, self.dedupe, self.pools).settle,
                 Verdict(FailureClass.PERMANENT), str(exc))
             self.stats.dead += 1
             self._observe_outcome(rec, outcome, started)
             await self.broker.ack(delivery)
             return
         if rec.expired(clock.now()):
-            await asyncio.to_thread(self._expire, rec)
+            await self.pools.db(self._expire, rec)
             self._discard("expired")
             await self.broker.ack(delivery)
             return
@@ -230,7 +235,7 @@ class Worker:
                             now=self.app.clock.now())
 
     async def _execute(self, task: Task, rec: jobstore.JobRecord, started: datetime) -> None:
-        outcome = await Execution(self.app, task, rec, self.name, self.dedupe).run()
+        outcome = await Execution(self.app, task, rec, self.name, self.dedupe, self.pools).run()
         self._observe_outcome(rec, outcome, started)
         st = self.stats
         if outcome.status == "succeeded":

@@ -10,7 +10,7 @@ from typing import Any
 from helpers import Running, attempt_rows, cancel_committed, job_row, make_app, schedule_committed
 
 import duebox
-from duebox import RetryPolicy, Transient
+from duebox import RetryPolicy, Transient, jobstore
 
 
 async def test_heartbeat_keeps_a_job_longer_than_its_lease(database_url: str) -> None:
@@ -127,3 +127,42 @@ async def test_idempotency_key_is_stable_across_retries(database_url: str) -> No
                      == {"SUCCEEDED"}, timeout=15, what="both to succeed")
     app.dispose()
     assert keys == {"keyed": ["invoice-77"] * 2, "plain": [str(plain)] * 2}
+
+
+async def test_busy_handlers_do_not_starve_heartbeats(database_url: str) -> None:
+    """Concurrency above asyncio's default thread pool (6 threads on 2 CPUs)
+    with every handler outliving its lease: heartbeats must still run, so no
+    healthy job's lease expires and none is taken over and run twice.  Lease
+    recovery runs in its own thread here, as another relay process would."""
+    app = make_app(database_url, lease_seconds=1.5, clock_skew_margin=0.1)
+    runs: list[str] = []
+    recovered: list[int] = []
+    stop = threading.Event()
+
+    @app.task("slow")
+    def slow(payload: Any, ctx: duebox.JobContext) -> None:
+        runs.append(str(ctx.job_id))
+        time.sleep(3.5)
+
+    def recover_like_another_relay() -> None:
+        while not stop.wait(0.1):
+            with app.engine.begin() as conn:
+                recovered.append(jobstore.recover(
+                    conn, now=app.clock.now(), margin=0.1, redeliver_after=900,
+                    limit=100).total)
+
+    ids = [schedule_committed(app, "slow", {"i": i}) for i in range(10)]
+    recoverer = threading.Thread(target=recover_like_another_relay)
+    recoverer.start()
+    try:
+        async with Running(app, relays=0, concurrency=10) as r:
+            await r.wait(lambda: all(job_row(app.engine, i).state == "SUCCEEDED" for i in ids),
+                         timeout=40, what="all slow jobs to finish")
+            lost = r.worker_total("lease_lost")
+    finally:
+        stop.set()
+        recoverer.join()
+    app.dispose()
+    assert sum(recovered) == 0
+    assert lost == 0
+    assert sorted(runs) == sorted(str(i) for i in ids)

@@ -1,0 +1,439 @@
+"""Run every duebox benchmark and write bench/RESULTS.md.
+
+    python bench/run.py                 # everything, 3 trials each (~6-8 minutes)
+    python bench/run.py --quick         # smaller N, 1 trial: a smoke test of the harness
+    python bench/run.py --only relay,lateness --repeats 5
+    python bench/run.py --no-pg         # SQLite only
+
+PostgreSQL: ``--pg-url`` (or ``DUEBOX_BENCH_PG``) names a server database to
+connect to for CREATE/DROP DATABASE, by default
+``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``.  The run creates
+its own ``duebox_bench_<random>`` database and drops it at the end.
+
+Each trial runs in a fresh process (``bench/trials.py``) so no pool, cache or
+thread of one trial leaks into the next.  Figures are the median of the
+trials and the range (min-max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+TRIALS = HERE / "trials.py"
+DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+RELAY_TARGET = 10_000.0  # jobs/s on PostgreSQL
+LATENESS_TARGET_MS = 20.0  # p99 at 500 jobs/s
+
+
+@dataclass
+class Plan:
+    relay_n: dict[str, int]
+    worker_n: dict[str, int]
+    pipeline_n: dict[str, int]
+    rate: float
+    seconds: float
+    repeats: int
+    low_rate: float = 100.0
+    low_seconds: float = 5.0
+
+
+FULL = Plan(
+    relay_n={"postgresql": 50_000, "sqlite": 20_000},
+    worker_n={"postgresql": 3_000, "sqlite": 3_000},
+    pipeline_n={"postgresql": 2_000, "sqlite": 2_000},
+    rate=500.0, seconds=10.0, repeats=3,
+)
+QUICK = Plan(
+    relay_n={"postgresql": 5_000, "sqlite": 5_000},
+    worker_n={"postgresql": 500, "sqlite": 500},
+    pipeline_n={"postgresql": 500, "sqlite": 500},
+    rate=500.0, seconds=2.0, repeats=1, low_seconds=2.0,
+)
+
+
+@dataclass
+class Measurement:
+    name: str
+    db: str
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+# --- databases -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def pg_database(admin_url: str) -> Iterator[str]:
+    from sqlalchemy import create_engine, text
+
+    name = f"duebox_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield admin_url.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def pg_version(url: str) -> str:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            version = str(conn.execute(text("SHOW server_version")).scalar())
+            settings = dict(conn.execute(text(
+                "SELECT name, setting FROM pg_settings WHERE name IN "
+                "('shared_buffers', 'synchronous_commit', 'fsync')")).all())
+    finally:
+        engine.dispose()
+    buffers = int(settings.get("shared_buffers", 0)) * 8 // 1024
+    return (f"{version} (shared_buffers {buffers} MB, fsync {settings.get('fsync')}, "
+            f"synchronous_commit {settings.get('synchronous_commit')})")
+
+
+# --- running trials ---------------------------------------------------------------
+
+
+def run_trial(args: list[str], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(TRIALS), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"{shlex.join(args[:1])} failed ({proc.returncode}):\n{tail}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Share of all CPUs busy (any process) over ``seconds``: background noise."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            parts = [int(x) for x in f.readline().split()[1:]]
+        idle = parts[3] + parts[4]
+        return sum(parts), idle
+
+    try:
+        t1, i1 = sample()
+        time.sleep(seconds)
+        t2, i2 = sample()
+    except OSError:
+        return float("nan")
+    return 1.0 - (i2 - i1) / max(1, t2 - t1)
+
+
+def wait_quiet(limit: float, threshold: float = 0.35) -> float:
+    """On a shared machine: wait up to ``limit`` seconds for other processes to
+    leave the CPUs mostly idle; returns the last busy share seen."""
+    deadline = time.monotonic() + limit
+    busy = cpu_busy(0.5)
+    while busy > threshold and time.monotonic() < deadline:
+        busy = cpu_busy(2.0)
+    return busy
+
+
+QUIET_WAIT = 0.0  # set from --wait-quiet
+
+
+def measure(m: Measurement, repeats: int, make_args: Callable[[int], list[str]],
+            timeout: float) -> None:
+    for i in range(repeats):
+        busy = wait_quiet(QUIET_WAIT) if QUIET_WAIT > 0 else cpu_busy(0.5)
+        started = time.monotonic()
+        try:
+            result = run_trial(make_args(i), timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            m.error = str(exc)
+            print(f"  {m.name} [{m.db}] trial {i + 1}: FAILED\n{exc}", flush=True)
+            return
+        result["background_cpu"] = busy
+        result["wall"] = time.monotonic() - started
+        m.trials.append(result)
+        print(f"  {m.name} [{m.db}] trial {i + 1}/{repeats}: {summary(m.name, result)} "
+              f"({result['wall']:.0f}s, CPU busy before, all processes: {busy:.0%})", flush=True)
+
+
+def summary(name: str, r: dict[str, Any]) -> str:
+    if name == "relay":
+        return (f"relay {r['relay']['rate']:,.0f} jobs/s, raw {r['raw']['rate']:,.0f} rows/s, "
+                f"ratio {r['ratio']:.2f}")
+    if name == "worker":
+        return (f"{r['rate']:,.0f} jobs/s, raw {r['raw']['rate']:,.0f} jobs/s, "
+                f"ratio {r['ratio']:.2f}, CPU {r['cpu_ms_per_job']:.2f} ms/job")
+    if name == "pipeline":
+        return f"{r['rate']:,.0f} jobs/s, CPU {r['cpu_ms_per_job']:.2f} ms/job"
+    return (f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms, "
+            f"early {r['early']}")
+
+
+# --- the report ------------------------------------------------------------------
+
+
+def med_range(values: list[float], fmt: str = "{:,.0f}") -> str:
+    if not values:
+        return "—"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt.format(med)
+    return f"{fmt.format(med)} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def verdict(ok: bool | None) -> str:
+    return {True: "met", False: "**missed**", None: "—"}[ok]
+
+
+def machine_info(pg_url: str | None) -> list[tuple[str, str]]:
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = ""
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        kb = int(f.readline().split()[1])
+        mem = f"{kb / 1024 / 1024:.0f} GiB"
+    import sqlalchemy
+
+    rows = [
+        ("date", dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")),
+        ("CPUs (nproc)", str(os.cpu_count())),
+        ("CPU model", cpu),
+        ("memory", mem),
+        ("Python", platform.python_version()),
+        ("SQLite", sqlite3.sqlite_version),
+        ("SQLAlchemy", sqlalchemy.__version__),
+    ]
+    with contextlib.suppress(ImportError):
+        import psycopg
+
+        rows.append(("psycopg", psycopg.__version__))
+    if pg_url:
+        rows.append(("PostgreSQL", pg_version(pg_url)))
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        rev = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        rows.append(("git", rev + (" + uncommitted changes" if dirty else "")))
+    return rows
+
+
+DB_LABEL = {"postgresql": "PostgreSQL", "sqlite": "SQLite"}
+
+
+def report(results: list[Measurement], plan: Plan, command: str,
+           machine: list[tuple[str, str]], elapsed: float) -> str:
+    out = ["# duebox benchmark results", "",
+           f"Generated by `{command}` in {elapsed / 60:.1f} min. "
+           f"Each figure is the median of {plan.repeats} trial(s), each in a fresh "
+           "process, with the range (min–max) in brackets.  See `bench/README.md` for "
+           "what each trial does.", "", "## Machine", "", "| | |", "| --- | --- |"]
+    out += [f"| {k} | {v} |" for k, v in machine]
+    busy = [t["background_cpu"] for m in results for t in m.trials]
+    if busy:
+        out += ["", f"CPU busy just before each trial (other processes on the machine): "
+                f"median {statistics.median(busy):.0%}, max {max(busy):.0%}."]
+
+    by = {(m.name, m.db): m for m in results}
+    out += ["", "## Relay throughput (claim → publish to `memory://` → fenced mark)", "",
+            "Batches of 500; N jobs already due; `Relay.run_pass()` until all are ENQUEUED. "
+            "Raw = the same claim + mark SQL hand-written on the bare driver (psycopg / "
+            "sqlite3), on a freshly reloaded table, in the same process.", "",
+            "| database | N | relay jobs/s | raw rows/s | relay ÷ raw | target |",
+            "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for db in ("postgresql", "sqlite"):
+        m = by.get(("relay", db))
+        if m is None:
+            continue
+        if m.error and not m.trials:
+            out.append(f"| {DB_LABEL[db]} | | failed | | | |")
+            continue
+        relay = [t["relay"]["rate"] for t in m.trials]
+        raw = [t["raw"]["rate"] for t in m.trials]
+        ratio = [t["ratio"] for t in m.trials]
+        target = (f">= {RELAY_TARGET:,.0f}/s: {verdict(statistics.median(relay) >= RELAY_TARGET)}"
+                  if db == "postgresql" else "—")
+        out.append(f"| {DB_LABEL[db]} | {plan.relay_n[db]:,} | {med_range(relay)} | "
+                   f"{med_range(raw)} | {med_range(ratio, '{:.2f}')} | {target} |")
+
+    out += ["", "## Worker throughput (no-op handler, `Worker(app, concurrency=8)`)", "",
+            "`sql://`: N due jobs, workers claim rows directly (no relay). "
+            "`memory://`: relay + in-process broker + worker in one process. "
+            "Jobs/s from start until every job is SUCCEEDED; each job is its own "
+            "transaction (dedupe row, fenced completion, attempt row).  Raw = the `sql://` "
+            "worker's statements on the bare driver, freshly reloaded table (PostgreSQL: 8 "
+            "threads with a connection each; SQLite: one connection).  CPU ms/job = "
+            "process CPU time of the benchmark process ÷ N.", "",
+            "| path | database | N | jobs/s | raw jobs/s | worker ÷ raw | CPU ms/job | "
+            "raw CPU ms/job |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, label, ns in (("worker", "`sql://` worker", plan.worker_n),
+                            ("pipeline", "relay + `memory://` + worker", plan.pipeline_n)):
+        for db in ("postgresql", "sqlite"):
+            m = by.get((name, db))
+            if m is None:
+                continue
+            if not m.trials:
+                out.append(f"| {label} | {DB_LABEL[db]} | {ns[db]:,} | failed | | | | |")
+                continue
+            rates = [t["rate"] for t in m.trials]
+            cpu = med_range([t["cpu_ms_per_job"] for t in m.trials], "{:.2f}")
+            raw = [t["raw"]["rate"] for t in m.trials if "raw" in t]
+            ratio = [t["ratio"] for t in m.trials if "ratio" in t]
+            raw_cpu = [t["raw"]["cpu_ms_per_job"] for t in m.trials if "raw" in t]
+            out.append(f"| {label} | {DB_LABEL[db]} | {ns[db]:,} | {med_range(rates)} | "
+                       f"{med_range(raw) if raw else '—'} | "
+                       f"{med_range(ratio, '{:.2f}') if ratio else '—'} | {cpu} | "
+                       f"{med_range(raw_cpu, '{:.2f}') if raw_cpu else '—'} |")
+
+    out += ["", "## Lateness on `sql://`", "",
+            "A producer process schedules the next 0.1 s worth of jobs every 0.1 s, due 2 s "
+            "ahead and evenly spaced; relay + worker (concurrency 8) run in another process. "
+            "Lateness = handler start − due_at.  The target applies at "
+            f"{plan.rate:.0f} jobs/s; the {plan.low_rate:.0f} jobs/s row shows the floor "
+            "when the worker has capacity to spare.", "",
+            "| database | offered | jobs | p50 ms | p99 ms | max ms | early | "
+            "target p99 <= 20 ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    breakdown = ["", "Where the time went (medians of the trials' percentiles): due → "
+                 "`claimed_at` is time spent waiting to be claimed (wake-up, worker "
+                 "capacity); `claimed_at` → handler start is the hand-off inside the worker.",
+                 "", "| database | offered | due→claim p50 / p99 ms | claim→start p50 / p99 ms |",
+                 "| --- | ---: | ---: | ---: |"]
+    for name, rate in (("lateness", plan.rate), ("lateness-low", plan.low_rate)):
+        for db in ("postgresql", "sqlite"):
+            m = by.get((name, db))
+            if m is None:
+                continue
+            if not m.trials:
+                out.append(f"| {DB_LABEL[db]} | {rate:.0f}/s | | failed | | | | |")
+                continue
+            p99 = [t["p99_ms"] for t in m.trials]
+            early = sum(t["early"] for t in m.trials)
+            ok = (statistics.median(p99) <= LATENESS_TARGET_MS and early == 0
+                  if name == "lateness" else None)
+            out.append(
+                f"| {DB_LABEL[db]} | {rate:.0f}/s | {m.trials[0]['jobs']:,} | "
+                f"{med_range([t['p50_ms'] for t in m.trials], '{:.1f}')} | "
+                f"{med_range(p99, '{:.1f}')} | "
+                f"{med_range([t['max_ms'] for t in m.trials], '{:.1f}')} | {early} | "
+                f"{verdict(ok) if ok is not None else '(floor)'} |")
+
+            def med(key: str, trials: list[dict[str, Any]] = m.trials) -> str:
+                return f"{statistics.median(t[key] for t in trials):.1f}"
+
+            breakdown.append(
+                f"| {DB_LABEL[db]} | {rate:.0f}/s | {med('due_to_claim_p50_ms')} / "
+                f"{med('due_to_claim_p99_ms')} | {med('claim_to_start_p50_ms')} / "
+                f"{med('claim_to_start_p99_ms')} |")
+    if len(breakdown) > 6:
+        out += breakdown
+
+    failures = [m for m in results if m.error]
+    if failures:
+        out += ["", "## Failures", ""]
+        for m in failures:
+            out += [f"- {m.name} [{m.db}]:", "", "```", m.error, "```"]
+    out += ["", "## Raw trial data", "", "```json"]
+    out += [json.dumps({"name": m.name, "db": m.db, "trials": m.trials}) for m in results]
+    out += ["```", ""]
+    return "\n".join(out)
+
+
+# --- main ------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small N, 1 trial")
+    ap.add_argument("--repeats", type=int, help="trials per measurement (default 3)")
+    ap.add_argument("--only", default="relay,worker,pipeline,lateness,lateness-low",
+                    help="comma-separated subset of relay,worker,pipeline,lateness,"
+                         "lateness-low")
+    ap.add_argument("--db", default="postgresql,sqlite", help="postgresql,sqlite")
+    ap.add_argument("--no-pg", action="store_true", help="skip PostgreSQL")
+    ap.add_argument("--pg-url", default=os.environ.get("DUEBOX_BENCH_PG", DEFAULT_PG))
+    ap.add_argument("--output", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="before each trial, wait up to SECONDS for the machine's CPUs "
+                         "to be mostly idle (for shared machines)")
+    opts = ap.parse_args()
+    global QUIET_WAIT
+    QUIET_WAIT = opts.wait_quiet
+
+    plan = QUICK if opts.quick else FULL
+    if opts.repeats:
+        plan.repeats = opts.repeats
+    only = [x.strip() for x in opts.only.split(",") if x.strip()]
+    dbs = [x.strip() for x in opts.db.split(",") if x.strip()]
+    if opts.no_pg and "postgresql" in dbs:
+        dbs.remove("postgresql")
+    command = "python " + " ".join(
+        [str(Path(sys.argv[0]).as_posix())] + [shlex.quote(a) for a in sys.argv[1:]])
+
+    started = time.monotonic()
+    results: list[Measurement] = []
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        if "postgresql" in dbs:
+            urls["postgresql"] = stack.enter_context(pg_database(opts.pg_url))
+        if "sqlite" in dbs:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="duebox_bench_"))
+            urls["sqlite"] = f"sqlite:///{tmp}/bench.db"
+        machine = machine_info(urls.get("postgresql"))
+        for key, value in machine:
+            print(f"{key}: {value}")
+
+        for name in only:
+            for db, url in urls.items():
+                m = Measurement(name, db)
+                results.append(m)
+                print(f"{name} on {db}:", flush=True)
+                if name == "relay":
+                    n = plan.relay_n[db]
+                    measure(m, plan.repeats, lambda i, url=url, n=n: [
+                        "relay", url, str(n), *(["--raw-first"] if i % 2 else [])], 300)
+                elif name in ("worker", "pipeline"):
+                    n = (plan.worker_n if name == "worker" else plan.pipeline_n)[db]
+                    measure(m, plan.repeats,
+                            lambda i, name=name, url=url, n=n: [name, url, str(n)], 300)
+                elif name in ("lateness", "lateness-low"):
+                    rate, secs = ((plan.rate, plan.seconds) if name == "lateness"
+                                  else (plan.low_rate, plan.low_seconds))
+                    measure(m, plan.repeats, lambda i, url=url, rate=rate, secs=secs: [
+                        "lateness", url, str(rate), str(secs)], secs + 120)
+                else:
+                    raise SystemExit(f"unknown measurement {name!r}")
+
+    elapsed = time.monotonic() - started
+    text = report(results, plan, command, machine, elapsed)
+    Path(opts.output).write_text(text)
+    print(f"\nwrote {opts.output} ({elapsed / 60:.1f} min)")
+    return 1 if any(m.error for m in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
