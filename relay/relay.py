@@ -143,6 +143,8 @@ class Relay:
 
     async def run_pass(self) -> PassStats:
         stats = PassStats()
+        if self._held:  # held jobs now due go first: the rest of the pass takes time
+            await self._release_held(stats)
         if time.monotonic() - self._last_recover >= self.recover_interval:
             self._last_recover = time.monotonic()
             recovered = await asyncio.to_thread(self._recover)
@@ -397,7 +399,8 @@ class Relay:
                 lead = self.max_delay + self.hold_window
                 waits.append(self.catchup.adjust_wait(due, now,
                                                       (due - now).total_seconds() - lead))
-        return max(0.0, min(waits))
+        # Every wait counts from ``now``; the query above took some of it.
+        return max(0.0, min(waits) - (self.app.clock.now() - now).total_seconds())
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Run passes until ``stop`` is set; database and broker outages are

@@ -1,20 +1,35 @@
 """Where the real brokers are, and small tools to look at and meddle with them.
 
 Shared by the per-backend tests (``test_redis_broker.py``,
-``test_amqp_broker.py``) and the contract suite (``tests/contract/``); the
-fixtures built on these live in ``conftest.py``.
+``test_amqp_broker.py``, ``test_sqs_broker.py``, ``test_kafka_broker.py``) and
+the contract suite (``tests/contract/``); the fixtures built on these live in
+``conftest.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
 import subprocess
+import sys
+import urllib.request
 import uuid
+from pathlib import Path
+from typing import Any
 
 import redis
 
 REDIS = os.environ.get("DUEBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
 AMQP = os.environ.get("DUEBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
+# LocalStack's SQS (localstack/start.sh) and a Kafka-protocol broker
+# (tests/services/kafka_mock.py); CI starts both first and names them here.
+SQS = os.environ.get("DUEBOX_TEST_SQS_ENDPOINT", "http://127.0.0.1:4566")
+KAFKA = os.environ.get("DUEBOX_TEST_KAFKA", "127.0.0.1:19092")
+ROOT = Path(__file__).resolve().parents[1]
+LOCALSTACK = ROOT / "localstack" / "start.sh"
+SERVICES = ROOT / "tests" / "services"
 
 
 def with_params(url: str, **params: object) -> str:
@@ -70,3 +85,110 @@ class Keys:
         """What FLUSHALL does to this backend: every key under the prefix goes."""
         found = self.all()
         return int(self.client.delete(*found)) if found else 0
+
+
+# --- SQS (LocalStack) ------------------------------------------------------------------
+
+
+def sqs_healthy(endpoint: str = SQS) -> bool:
+    try:
+        with urllib.request.urlopen(f"{endpoint}/_localstack/health", timeout=3) as r:
+            return json.load(r)["services"].get("sqs") in ("available", "running")
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def localstack(command: str, timeout: float = 900) -> subprocess.CompletedProcess[bytes]:
+    """``localstack/start.sh COMMAND``; a ``restart`` or ``stop`` acts only on
+    a LocalStack that script started (its pid file)."""
+    return subprocess.run([str(LOCALSTACK), command], capture_output=True, timeout=timeout,
+                          check=False)
+
+
+class Queues:
+    """One test's SQS queues (a queue-name prefix of its own), seen through a
+    plain boto3 client."""
+
+    def __init__(self, endpoint: str = SQS) -> None:
+        import boto3
+
+        self.endpoint = endpoint
+        self.prefix = f"t{uuid.uuid4().hex[:10]}-"
+        self.client = boto3.client("sqs", endpoint_url=endpoint, region_name="us-east-1",
+                                   aws_access_key_id="test", aws_secret_access_key="test")
+
+    def url(self, **params: object) -> str:
+        """The ``sqs://`` broker URL for this prefix (1 s long polls)."""
+        host = self.endpoint.split("://", 1)[1]
+        return with_params(f"sqs://test:test@{host}", prefix=self.prefix, wait=1, **params)
+
+    def queue_url(self, queue: str = "default") -> str | None:
+        try:
+            return str(self.client.get_queue_url(QueueName=self.prefix + queue)["QueueUrl"])
+        except self.client.exceptions.QueueDoesNotExist:
+            return None
+
+    def counts(self, queue: str = "default") -> dict[str, int]:
+        """Visible, delayed and in-flight messages (0s when the queue is gone)."""
+        url = self.queue_url(queue)
+        if url is None:
+            return {"visible": 0, "delayed": 0, "in_flight": 0}
+        names = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesDelayed",
+                 "ApproximateNumberOfMessagesNotVisible"]
+        a = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=names)["Attributes"]
+        return {"visible": int(a[names[0]]), "delayed": int(a[names[1]]),
+                "in_flight": int(a[names[2]])}
+
+    def held(self, queue: str = "default") -> int:
+        return sum(self.counts(queue).values())
+
+    def drain(self, queue: str) -> list[dict[str, Any]]:
+        url = self.queue_url(queue)
+        assert url is not None
+        reply = self.client.receive_message(QueueUrl=url, MaxNumberOfMessages=10,
+                                            WaitTimeSeconds=1, MessageAttributeNames=["All"])
+        return list(reply.get("Messages", []))
+
+    def delete_all(self) -> None:
+        for url in self.client.list_queues(QueueNamePrefix=self.prefix).get("QueueUrls", []):
+            with contextlib.suppress(self.client.exceptions.QueueDoesNotExist):
+                self.client.delete_queue(QueueUrl=url)
+
+
+# --- Kafka (the mock cluster, or a real Kafka) ------------------------------------------
+
+
+def kafka_reachable(bootstrap: str = KAFKA) -> bool:
+    host, _, port = bootstrap.split(",")[0].rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def kafka_mock() -> Any:
+    """tests/services/kafka_mock.py as a module (start/stop/restart helpers)."""
+    if str(SERVICES) not in sys.path:
+        sys.path.insert(0, str(SERVICES))
+    import kafka_mock
+
+    return kafka_mock
+
+
+class KafkaNames:
+    """One test's topic prefix and consumer group."""
+
+    def __init__(self, bootstrap: str = KAFKA) -> None:
+        self.bootstrap = bootstrap
+        self.prefix = f"t{uuid.uuid4().hex[:10]}."
+        self.group = f"g{uuid.uuid4().hex[:10]}"
+
+    def url(self, **params: object) -> str:
+        """The ``kafka://`` broker URL: short fetch waits (the mock answers a
+        fetch only when it times out) and a 6 s session (dead workers' partitions
+        move quickly)."""
+        values: dict[str, object] = {"prefix": self.prefix, "group": self.group,
+                                     "fetch_max_wait_ms": 10, "session_timeout_ms": 6000,
+                                     "check_interval": 0.5, **params}
+        return with_params(f"kafka://{self.bootstrap}", **values)

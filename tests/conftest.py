@@ -1,5 +1,6 @@
 """Shared fixtures: real SQLite files and real PostgreSQL databases, and an
-isolated corner of the real Redis and RabbitMQ servers.
+isolated corner of the real Redis and RabbitMQ servers; LocalStack's SQS and
+a Kafka-protocol broker, started for the session when CI did not start them.
 
 Each test session creates its own PostgreSQL database (dropped at the end),
 so tests never assume a clean shared one.  A service that cannot be reached
@@ -16,7 +17,18 @@ from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
-from backends import AMQP, REDIS, Keys, rabbitmqctl
+from backends import (
+    AMQP,
+    KAFKA,
+    REDIS,
+    SQS,
+    Keys,
+    kafka_mock,
+    kafka_reachable,
+    localstack,
+    rabbitmqctl,
+    sqs_healthy,
+)
 from sqlalchemy import create_engine, text
 
 import duebox
@@ -116,3 +128,43 @@ def amqp_vhost() -> Iterator[str]:
     finally:
         if created:
             rabbitmqctl("delete_vhost", name)
+
+
+@pytest.fixture(scope="session")
+def sqs_endpoint() -> Iterator[str]:
+    """LocalStack's SQS: DUEBOX_TEST_SQS_ENDPOINT's, one already answering on
+    127.0.0.1:4566, or one this session starts with localstack/start.sh (its
+    first run installs LocalStack into localstack/.venv) and stops."""
+    if sqs_healthy(SQS):
+        yield SQS
+        return
+    if "DUEBOX_TEST_SQS_ENDPOINT" in os.environ:
+        service_missing("LocalStack SQS", RuntimeError(f"nothing answers at {SQS}"))
+    started = localstack("start")
+    if started.returncode != 0 or not sqs_healthy(SQS):
+        service_missing("LocalStack SQS (localstack/start.sh)",
+                        RuntimeError(started.stderr.decode()[-2000:]))
+    try:
+        yield SQS
+    finally:
+        localstack("stop", timeout=60)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """A Kafka-protocol broker: DUEBOX_TEST_KAFKA's, one already listening on
+    127.0.0.1:19092, or librdkafka's mock cluster started (and stopped) here."""
+    if kafka_reachable(KAFKA):
+        yield KAFKA
+        return
+    if "DUEBOX_TEST_KAFKA" in os.environ:
+        service_missing("Kafka", RuntimeError(f"nothing listens at {KAFKA}"))
+    try:
+        mock = kafka_mock()
+        address = mock.start_background(int(KAFKA.rsplit(":", 1)[1]))
+    except (OSError, RuntimeError, ImportError) as exc:
+        service_missing("the Kafka mock cluster (pip install confluent-kafka)", exc)
+    try:
+        yield address
+    finally:
+        mock.stop_background()

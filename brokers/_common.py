@@ -1,0 +1,73 @@
+"""Small pieces the ``sqs://`` and ``kafka://`` backends share: URL parameter
+checks that name the parameter, and the ordering key of a message."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+
+from duebox.errors import ConfigurationError
+from duebox.message import JobMessage
+
+# A job header naming the ordering key: jobs with the same key keep their
+# publish order where the backend can (SQS FIFO message group, Kafka
+# partition key).  Without it the job id is used: no order between jobs.
+ORDERING_KEY_HEADER = "ordering_key"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def number(params: dict[str, str], name: str, default: float, *, low: float,
+           high: float = math.inf, integer: bool = False) -> float:
+    """``?name=`` as a number in ``[low, high]``, or ``default`` when absent."""
+    raw = params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not low <= value <= high or (
+            integer and value != int(value)):
+        kind = "an integer" if integer else "a number"
+        upper = "" if high == math.inf else f" and <= {high:g}"
+        raise ConfigurationError(
+            f"broker_url: {name} must be {kind} >= {low:g}{upper} (got {raw!r})")
+    return value
+
+
+def flag(params: dict[str, str], name: str, default: bool) -> bool:
+    raw = params.get(name)
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ConfigurationError(f"broker_url: {name} must be true or false (got {raw!r})")
+
+
+def name_param(params: dict[str, str], name: str, default: str, pattern: str,
+               rule: str) -> str:
+    value = params.get(name, default)
+    if not re.fullmatch(pattern, value):
+        raise ConfigurationError(f"broker_url: {name} must be {rule} (got {value!r})")
+    return value
+
+
+def ordering_key(msg: JobMessage) -> str:
+    """The job's ``ordering_key`` header as a string, else its id."""
+    key = msg.headers.get(ORDERING_KEY_HEADER) if msg.headers else None
+    if key is None or key == "":
+        return str(msg.job_id)
+    return key if isinstance(key, str) else str(key)
+
+
+def safe_token(value: str, allowed: str = r"[A-Za-z0-9!-/:-@\[-`{-~]{1,128}") -> str:
+    """``value`` if it matches ``allowed`` (SQS's group and deduplication id
+    rule by default), else its SHA-256 in hex: stable, so equal keys still group."""
+    if re.fullmatch(allowed, value):
+        return value
+    return hashlib.sha256(value.encode()).hexdigest()
