@@ -151,7 +151,10 @@ class BackendContract:
         rows = effect_rows(app.engine)
         assert sorted(rows) == sorted(str(j) for j in ids)
         assert all(calls(app, j) == 1 for j in ids)
-        slack_us = int((caps.delay_precision + 2.0) * 1_000_000)
+        # Late by more than two ticks of the declared precision plus 3 s means
+        # the delay was not honoured (a redelivery, a lost message).  The 3 s
+        # absorb a loaded 2-core machine and LocalStack's 1-second delay tick.
+        slack_us = int((2 * caps.delay_precision + 3.0) * 1_000_000)
         for e in rows.values():
             assert 0 <= e.started_us - e.due_us < slack_us, "ran far later than its delay"
 
