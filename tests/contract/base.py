@@ -22,6 +22,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -289,7 +290,14 @@ class BackendContract:
         async with Running(app, relays=1, workers=1) as r:
             relay = r.relays[0]
             await r.wait(lambda: relay.totals.passes >= 3, timeout=10, what="three passes")
-            assert {state(app, j) for j in ids} == {"SCHEDULED"}, "published too early"
+            # Only meaningful while both are still beyond the ceiling: on a
+            # loaded machine three passes can outlast that, and then the jobs
+            # are rightly published (the ``ahead`` check below covers them).
+            checked = time.time()
+            states = {state(app, j) for j in ids}
+            first_due = min(job_row(app.engine, j).due_at for j in ids).timestamp()
+            if checked < first_due - ceiling:
+                assert states == {"SCHEDULED"}, "published too early"
             await r.wait(lambda: all_in(app, ids), timeout=15, what="the parked jobs ran")
         check_no_early_start(app.engine)
         assert sorted(effect_rows(app.engine)) == sorted(str(j) for j in ids)
