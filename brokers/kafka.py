@@ -85,6 +85,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duebox.brokers.kafka")
 
+
+async def _stop_quietly(client: Any) -> None:
+    """Stop an aiokafka client whatever state it is in.  ``stop()`` can raise a
+    CancelledError of its own when it follows ``start()`` closely or the
+    cluster vanished (aiokafka issue #647: it awaits an internal task it has
+    just cancelled); that one is swallowed, a cancellation of *this* task is
+    not.  A stop that hangs on a dead cluster is bounded."""
+    try:
+        await asyncio.wait_for(client.stop(), _STOP_TIMEOUT)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.debug("aiokafka client stop raised its own CancelledError", exc_info=True)
+    except (KafkaError, OSError, TimeoutError) as exc:
+        log.debug("aiokafka client stop failed: %r", exc)
+
+
+# How long a client's stop may take before it is abandoned.
+_STOP_TIMEOUT = 10.0
+
 _DEAD_LETTER = "dead-letter"
 _COMMIT_EVERY = 0.2  # seconds between offset commits while messages finish
 
@@ -245,8 +266,7 @@ class KafkaBroker(Broker):
         self._topics.clear()
         for c in clients:
             if c is not None:
-                with contextlib.suppress(KafkaError, OSError):
-                    await c.stop()
+                await _stop_quietly(c)
 
     async def producer(self) -> Any:
         async with self._lock:
@@ -258,8 +278,7 @@ class KafkaBroker(Broker):
             try:
                 await p.start()
             except (KafkaError, OSError) as exc:
-                with contextlib.suppress(KafkaError, OSError):
-                    await p.stop()
+                await _stop_quietly(p)
                 raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
             self._producer = p
             return p
@@ -268,8 +287,7 @@ class KafkaBroker(Broker):
         p, self._producer = self._producer, None
         self._topics.clear()
         if p is not None:
-            with contextlib.suppress(KafkaError, OSError):
-                await p.stop()
+            await _stop_quietly(p)
 
     async def ensure_topics(self, topics: Sequence[str]) -> None:
         """Create the topics that do not exist (CreateTopics where the cluster
@@ -417,8 +435,7 @@ class KafkaBroker(Broker):
             try:
                 await c.start()
             except (KafkaError, OSError) as exc:
-                with contextlib.suppress(KafkaError, OSError):
-                    await c.stop()
+                await _stop_quietly(c)
                 raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
             self._probe = c
         return self._probe
@@ -540,8 +557,7 @@ class KafkaBroker(Broker):
                 # new one, where these positions would skip its messages.
                 tracker.consumer = None
                 self._consumers.discard(consumer)
-                with contextlib.suppress(KafkaError, OSError):
-                    await consumer.stop()
+                await _stop_quietly(consumer)
                 self._tracker = None
             # The group or the cluster went away (a broker restart, a
             # coordinator that forgot the group): join again.
@@ -566,8 +582,7 @@ class KafkaBroker(Broker):
             await c.start()
         except BaseException as exc:
             self._consumers.discard(c)
-            with contextlib.suppress(KafkaError, OSError):
-                await c.stop()
+            await _stop_quietly(c)
             if isinstance(exc, KafkaError | OSError):
                 raise BrokerError(f"{self._where()}: joining group {self.settings.group!r} "
                                   f"failed: {exc!r}") from exc

@@ -16,6 +16,12 @@ import uuid
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
+# Imported now, while only this thread runs: hypothesis' pytest plugin
+# imports it lazily at the end of the session, and CPython 3.11.7's ast.parse
+# can fail with "SystemError: AST constructor recursion depth mismatch" when
+# another thread left over by a broker client parses at the same time
+# (CPython gh-106905).
+import hypothesis  # noqa: F401
 import pytest
 from backends import (
     AMQP,
