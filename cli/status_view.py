@@ -17,7 +17,7 @@ from sqlalchemy import Engine, func, select
 from duebox.db import SQLITE_DEFERRED, db_errors
 from duebox.metrics import DEFAULT_COUNT_CAP, Group, read_snapshot, seconds
 from duebox.states import JobState
-from duebox.tables import job
+from duebox.tables import job, lease, rate_bucket
 
 # Jobs due this long before the window may still have started inside it; a
 # job started later than this after its due time is outside the sample (its
@@ -85,6 +85,28 @@ def _process_view(p: Any, now: datetime) -> dict[str, Any]:
     }
 
 
+def _shards(conn: Any, now: datetime) -> list[dict[str, Any]]:
+    """Shard leases (relay/shards.py): a bounded read, one row per shard."""
+    rows = conn.execute(
+        select(lease.c.name, lease.c.owner, lease.c.epoch, lease.c.expires_at)
+        .where(lease.c.name.like("shard:%")).order_by(lease.c.name).limit(1024)).all()
+    out = []
+    for name, owner, epoch, expires_at in rows:
+        live = owner is not None and expires_at is not None and expires_at > now
+        out.append({"shard": name.removeprefix("shard:"), "owner": owner if live else None,
+                    "generation": int(epoch),
+                    "expires_in_s": (expires_at - now).total_seconds() if live else None})
+    return out
+
+
+def _buckets(conn: Any) -> list[dict[str, Any]]:
+    """Shared rate-limit buckets (relay/ratelimit.py) and their last level."""
+    rows = conn.execute(select(rate_bucket.c.name, rate_bucket.c.tokens, rate_bucket.c.updated_at)
+                        .order_by(rate_bucket.c.name).limit(200)).all()
+    return [{"bucket": n, "tokens": round(float(t), 1), "updated_at": u.isoformat()}
+            for n, t, u in rows]
+
+
 def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
                  max_due_age: float = 60.0, overdue_after: float = 60.0,
                  cap: int = DEFAULT_COUNT_CAP, top_tenants: int = 20) -> dict[str, Any]:
@@ -94,6 +116,8 @@ def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
         snap = read_snapshot(conn, now, overdue_after=overdue_after, cap=cap,
                              top_tenants=top_tenants)
         sample = _lateness_sample(conn, now, window)
+        shards = _shards(conn, now)
+        buckets = _buckets(conn)
     late_q: dict[str, list[float]] = {}
     late_t: dict[str, list[float]] = {}
     for queue, tenant, due_at, started_at in sample:
@@ -104,6 +128,8 @@ def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
               for q in sorted(set(snap.queues) | set(late_q))}
     tenants = {t: _group_view(g, now, late_t.get(t, [])) for t, g in sorted(snap.tenants.items())}
     relays = [_process_view(p, now) for p in snap.processes if p.role == "relay"]
+    for r in relays:
+        r["shards"] = [s["shard"] for s in shards if s["owner"] == r["name"]]
     workers = [_process_view(p, now) for p in snap.processes if p.role == "worker"]
 
     problems: list[str] = []
@@ -116,6 +142,10 @@ def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
         idle.append("no live relay: nothing claims, recovers leases or fires schedules")
     if not workers:
         idle.append("no live worker")
+    orphans = [s["shard"] for s in shards if s["owner"] is None]
+    if orphans and relays:
+        warnings.append(f"shards with no live owner: {', '.join(orphans)} "
+                        "(taken over within a relay pass; persistent means no relay shards)")
     for q, v in queues.items():
         if v["oldest_due_age_s"] > max_due_age:
             problems.append(f"queue {q}: oldest due job waited {v['oldest_due_age_s']:.0f} s "
@@ -133,6 +163,8 @@ def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
         "tenants": tenants,
         "relays": relays,
         "workers": workers,
+        "shards": shards,
+        "rate_buckets": buckets,
         "outbox_publication_lag_s": snap.oldest_due_age(),
         "window_s": window,
         "capped": states_capped or snap.capped,
@@ -182,6 +214,20 @@ def render(report: dict[str, Any]) -> str:
         for p in procs:
             age = p["heartbeat_age_s"]
             info = p["info"]
+            owned = p.get("shards")
             lines.append(f"  {p['name']}  heartbeat {'-' if age is None else f'{age:.1f}s'} "
-                         f"ago  backend {info.get('backend', '?')}  pid {info.get('pid', '?')}")
+                         f"ago  backend {info.get('backend', '?')}  pid {info.get('pid', '?')}"
+                         + (f"  shards {','.join(owned)}" if owned else ""))
+    if report.get("shards"):
+        lines.append("")
+        lines.append(f"{'shard':<12} {'generation':>10} {'expires in':>11}  owner")
+        for sh in report["shards"]:
+            exp = sh["expires_in_s"]
+            lines.append(f"{sh['shard']:<12} {sh['generation']:>10} "
+                         f"{'-' if exp is None else f'{exp:.1f}s':>11}  "
+                         f"{sh['owner'] or '(none)'}")
+    if report.get("rate_buckets"):
+        lines.append("")
+        lines.append("rate buckets: " + "  ".join(f"{b['bucket']} {b['tokens']}"
+                                                  for b in report["rate_buckets"]))
     return "\n".join(lines)

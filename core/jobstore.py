@@ -19,7 +19,18 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    and_,
+    bindparam,
+    case,
+    delete,
+    func,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.sql import Select, Update
 
 from .ids import uuid7
@@ -106,13 +117,18 @@ def _claim_candidates(
 
 
 def _claim(
-    conn: Connection, candidates: Select[Any], owner: str, values: dict[str, Any]
+    conn: Connection, candidates: Select[Any], owner: str, values: dict[str, Any],
+    fence: ColumnElement[bool] | None = None,
 ) -> list[JobRecord]:
     """Lease the candidate rows to ``owner`` in one statement where the
-    dialect allows ``UPDATE ... RETURNING``; MySQL/MariaDB take three."""
+    dialect allows ``UPDATE ... RETURNING``; MySQL/MariaDB take three.
+    ``fence``: an extra condition every leased row must meet (a relay's shard
+    ownership, docs/scale.md)."""
     base = update(job).values(
         lease_owner=owner, lease_generation=job.c.lease_generation + 1, **values
     )
+    if fence is not None:
+        base = base.where(fence)
     if conn.dialect.update_returning:
         rows = conn.execute(base.where(job.c.id.in_(candidates)).returning(*_ROW_COLUMNS)).all()
     else:
@@ -134,49 +150,67 @@ def _claim(
 def claim_for_dispatch(
     conn: Connection, *, owner: str, horizon: datetime, limit: int, now: datetime,
     lease_until: datetime, after: datetime | None = None, priority_first: bool = False,
+    fence: ColumnElement[bool] | None = None,
 ) -> list[JobRecord]:
     """SCHEDULED → DISPATCHING for the next ``limit`` jobs due by ``horizon``
     (and after ``after``); ``priority_first`` orders by priority, then due time
-    (the relay's catch-up claim of overdue jobs)."""
+    (the relay's catch-up claim of overdue jobs).  ``fence`` limits the claim
+    to rows it holds for (a sharded relay's owned shards, still owned)."""
     due = job.c.due_at <= horizon
     if after is not None:
         due = and_(due, job.c.due_at > after)
+    if fence is not None:
+        due = and_(due, fence)
     candidates = _claim_candidates(
         and_(job.c.state == JobState.SCHEDULED, due), limit, priority_first=priority_first
     )
-    return _claim(
-        conn, candidates, owner,
-        {"state": JobState.DISPATCHING, "lease_until": lease_until, "claimed_at": now,
-         "updated_at": now},
-    )
+    return _claim(conn, candidates, owner, _dispatching(now, lease_until), fence)
+
+
+def _dispatching(now: datetime, lease_until: datetime) -> dict[str, Any]:
+    return {"state": JobState.DISPATCHING, "lease_until": lease_until, "claimed_at": now,
+            "updated_at": now}
+
+
+def claim_selected(
+    conn: Connection, ids: Sequence[uuid.UUID], *, owner: str, now: datetime,
+    lease_until: datetime, fence: ColumnElement[bool] | None = None,
+) -> list[JobRecord]:
+    """SCHEDULED → DISPATCHING for ``ids``, rows this transaction already
+    locked (the fair claim picks them class by class, core/fair_claim.py)."""
+    if not ids:
+        return []
+    candidates = select(job.c.id).where(job.c.id.in_(list(ids)),
+                                        job.c.state == JobState.SCHEDULED)
+    return _claim(conn, candidates, owner, _dispatching(now, lease_until), fence)
 
 
 def mark_enqueued(
     conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
-    broker_ids: dict[uuid.UUID, str] | None = None,
+    broker_ids: dict[uuid.UUID, str] | None = None, fence: ColumnElement[bool] | None = None,
 ) -> int:
-    """DISPATCHING → ENQUEUED, fenced by the claim's owner token."""
+    """DISPATCHING → ENQUEUED, fenced by the claim's owner token (and by
+    ``fence``: a sharded relay's shard generation, still current)."""
     if not ids:
         return 0
     if broker_ids:
         total = 0
         for job_id in ids:
             total += conn.execute(
-                _mark_stmt(owner, now).where(job.c.id == job_id).values(
+                _mark_stmt(owner, now, fence).where(job.c.id == job_id).values(
                     broker_message_id=broker_ids.get(job_id)
                 )
             ).rowcount
         return total
-    return conn.execute(_mark_stmt(owner, now).where(job.c.id.in_(list(ids)))).rowcount
+    return conn.execute(_mark_stmt(owner, now, fence).where(job.c.id.in_(list(ids)))).rowcount
 
 
-def _mark_stmt(owner: str, now: datetime) -> Update:
-    return (
-        update(job)
-        .where(job.c.state == JobState.DISPATCHING, job.c.lease_owner == owner)
-        .values(state=JobState.ENQUEUED, published_at=now, lease_owner=None,
-                lease_until=None, updated_at=now)
-    )
+def _mark_stmt(owner: str, now: datetime, fence: ColumnElement[bool] | None = None) -> Update:
+    stmt = update(job).where(job.c.state == JobState.DISPATCHING, job.c.lease_owner == owner)
+    if fence is not None:
+        stmt = stmt.where(fence)
+    return stmt.values(state=JobState.ENQUEUED, published_at=now, lease_owner=None,
+                       lease_until=None, updated_at=now)
 
 
 def release(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime) -> int:
@@ -292,10 +326,16 @@ def recover(
         )
 
     stale = now - timedelta(seconds=redeliver_after)
+    # Measured from the due time *and* from the last publish: a job already
+    # republished waits redeliver_after again.  From the due time alone, every
+    # recovery pass of every relay republished every overdue job once a backlog
+    # passed redeliver_after, and the duplicates deepened the backlog (the soak
+    # saw 23,706 messages queued for 2,400 jobs).
     enqueued = conn.execute(
         update(job)
         .where(job.c.id.in_(_claim_candidates(
-            and_(job.c.state == JobState.ENQUEUED, job.c.due_at < stale), limit)))
+            and_(job.c.state == JobState.ENQUEUED, job.c.due_at < stale,
+                 or_(job.c.published_at.is_(None), job.c.published_at < stale)), limit)))
         .values(state=JobState.SCHEDULED, **free)
     ).rowcount
     return Recovered(dispatching, running, dead, enqueued)
@@ -358,41 +398,69 @@ def next_due(conn: Connection) -> datetime | None:
 
 def claim_for_run(
     conn: Connection, *, owner: str, now: datetime, limit: int, lease_until: datetime,
-    queues: Sequence[str] | None, worker: str,
+    queues: Sequence[str] | None, worker: str, horizon: datetime | None = None,
 ) -> list[JobRecord]:
-    """``sql://``: SCHEDULED and due → RUNNING, in one short transaction."""
-    candidates = _claim_candidates(
-        and_(job.c.state == JobState.SCHEDULED, job.c.due_at <= now), limit, queues
-    )
+    """``sql://``: SCHEDULED and due → RUNNING, in one short transaction.
+    ``horizon`` (later than ``now``): also jobs due by then, which the caller
+    holds until their due time; their ``started_at`` is that due time."""
+    due = job.c.due_at <= (horizon or now)
+    candidates = _claim_candidates(and_(job.c.state == JobState.SCHEDULED, due), limit, queues)
+    started: Any = now
+    if horizon is not None and horizon > now:
+        started = case((job.c.due_at > now, job.c.due_at), else_=now)
     records = _claim(
         conn, candidates, owner,
         {"state": JobState.RUNNING, "lease_until": lease_until, "attempt": job.c.attempt + 1,
-         "claimed_at": now, "started_at": now, "updated_at": now},
+         "claimed_at": now, "started_at": started, "updated_at": now},
     )
     return _open_attempts(conn, records, now, worker)
 
 
+def unclaim_run(conn: Connection, *, records: Sequence[JobRecord], now: datetime) -> int:
+    """Give back jobs a ``sql://`` worker claimed ahead and never handed over
+    (it is stopping): RUNNING → SCHEDULED as if never claimed, fenced by the
+    lease; their unopened attempts are removed."""
+    total = 0
+    for rec in records:
+        moved = conn.execute(
+            update(job).where(_fenced(rec)).values(
+                state=JobState.SCHEDULED, attempt=job.c.attempt - 1, lease_owner=None,
+                lease_until=None, started_at=None, updated_at=now)
+        ).rowcount
+        if moved and rec.attempt_id is not None:
+            conn.execute(delete(attempt).where(attempt.c.id == rec.attempt_id))
+        total += moved
+    return total
+
+
 def start(
     conn: Connection, *, message: JobMessage, owner: str, now: datetime, lease_until: datetime,
-    worker: str,
+    worker: str, ahead: float = 0.0,
 ) -> JobRecord | None:
-    """Version-checked start of a delivered message: None means discard it."""
+    """Version-checked start of a delivered message: None means discard it.
+    ``ahead``: seconds before its due time the job may be started (the
+    caller holds the handler until then; ``started_at`` is the due time)."""
     condition = and_(
         job.c.id == message.job_id,
         job.c.version == message.version,
         job.c.state.in_(list(STARTABLE_STATES)),
-        job.c.due_at <= now,
+        job.c.due_at <= now + timedelta(seconds=ahead),
         or_(job.c.expires_at.is_(None), job.c.expires_at > now),
     )
     # Not SKIP LOCKED: a row locked by the relay's mark must be waited for, or
     # a message that overtook its own mark would be dropped.
     candidates = select(job.c.id).where(condition).with_for_update()
+    started = max(now, message.due_at)
     records = _claim(
         conn, candidates, owner,
         {"state": JobState.RUNNING, "lease_until": lease_until, "attempt": job.c.attempt + 1,
-         "started_at": now, "updated_at": now},
+         "started_at": started, "updated_at": now,
+         # Delivered before the relay's mark landed (a held job is published
+         # a moment before its due time): the hand-over was just now.
+         "published_at": case((job.c.state == JobState.DISPATCHING, now),
+                              else_=job.c.published_at)},
     )
-    return _open_attempts(conn, records, now, worker)[0] if records else None
+    return _open_attempts(conn, records, started, worker)[0] if records else None
 
 
 def _open_attempts(
@@ -406,7 +474,8 @@ def _open_attempts(
         attempt_id = uuid7()
         opened.append(_with_attempt(rec, attempt_id))
         rows.append({"id": attempt_id, "job_id": rec.id, "number": rec.attempt, "worker": worker,
-                     "lease_generation": rec.lease_generation, "started_at": now})
+                     "lease_generation": rec.lease_generation,
+                     "started_at": max(now, rec.due_at)})
     conn.execute(attempt.insert(), rows)
     return opened
 
@@ -439,6 +508,14 @@ def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> str
     return "locked"
 
 
+def still_leased(conn: Connection, rec: JobRecord) -> bool:
+    """The job is still this lease's and this version's: nothing cancelled,
+    rescheduled or took it over since it was claimed or started."""
+    return conn.execute(
+        select(job.c.id).where(_fenced(rec), job.c.version == rec.version)
+    ).first() is not None
+
+
 def _fenced(rec: JobRecord) -> Any:
     return and_(
         job.c.id == rec.id,
@@ -454,6 +531,43 @@ def complete_stmt(rec: JobRecord, now: datetime) -> Update:
         state=JobState.SUCCEEDED, finished_at=now, lease_owner=None, lease_until=None,
         updated_at=now,
     )
+
+
+# The worker's per-job statements, built once with bound parameters: building
+# an UPDATE and its cache key per job cost more CPU than running it.  Each
+# ``*_bound`` returns the statement and its parameters; same SQL as above.
+def _p(name: str, column: Any) -> Any:
+    return bindparam(name, type_=column.type)
+
+
+_FENCED_BOUND = and_(
+    job.c.id == _p("f_id", job.c.id),
+    job.c.state == JobState.RUNNING,
+    job.c.lease_owner == _p("f_owner", job.c.lease_owner),
+    job.c.lease_generation == _p("f_gen", job.c.lease_generation),
+)
+_COMPLETE = update(job).where(_FENCED_BOUND).values(
+    state=JobState.SUCCEEDED, finished_at=_p("f_now", job.c.finished_at), lease_owner=None,
+    lease_until=None, updated_at=_p("f_now", job.c.updated_at),
+)
+_FINISH_ATTEMPT = (
+    update(attempt)
+    .where(attempt.c.id == _p("a_id", attempt.c.id), attempt.c.outcome.is_(None))
+    .values(outcome=_p("a_outcome", attempt.c.outcome),
+            finished_at=_p("a_now", attempt.c.finished_at))
+)
+
+
+def complete_bound(rec: JobRecord, now: datetime) -> tuple[Update, dict[str, Any]]:
+    """:func:`complete_stmt`, prebuilt."""
+    return _COMPLETE, {"f_id": rec.id, "f_owner": rec.lease_owner,
+                       "f_gen": rec.lease_generation, "f_now": now}
+
+
+def finish_attempt_bound(rec: JobRecord, now: datetime, outcome: str
+                         ) -> tuple[Update, dict[str, Any]]:
+    """:func:`finish_attempt_stmt` without an error, prebuilt."""
+    return _FINISH_ATTEMPT, {"a_id": rec.attempt_id, "a_outcome": outcome, "a_now": now}
 
 
 def finish_attempt_stmt(
@@ -511,6 +625,7 @@ __all__ = [
     "checkpoint_stmt",
     "claim_for_dispatch",
     "claim_for_run",
+    "claim_selected",
     "complete_stmt",
     "dead_stmt",
     "enqueued_page",

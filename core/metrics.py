@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, case, func, select
@@ -90,6 +90,32 @@ class Metrics:
             "duebox_dispatch_lag_seconds",
             "Publish time minus the moment the job could be published (its claim, or its "
             "release from the relay's hold heap).", b)
+        # --- relay at scale (docs/scale.md) ----------------------------------------
+        self.shards_owned = Gauge("duebox_relay_shards_owned",
+                                  "Shards this relay holds a lease on (sharding on).",
+                                  ["relay"], registry=r)
+        self.shard_generation = Gauge(
+            "duebox_relay_shard_generation",
+            "The lease generation of each shard this relay holds (absent: not held).",
+            ["relay", "shard"], registry=r)
+        self.shards_lost = counter(
+            "duebox_relay_shards_lost_total",
+            "Shard leases this relay found taken over (it paused or fell behind).", ("relay",))
+        self.fenced = counter(
+            "duebox_relay_jobs_fenced_total",
+            "Claimed jobs dropped unpublished because their shard lease was lost.", b)
+        self.rate_limited = Gauge(
+            "duebox_relay_rate_limited_buckets",
+            "Token buckets (global, queue, tenant) that ran dry in the relay's last claim.",
+            ["kind"], registry=r)
+        self.rate_wait = Gauge(
+            "duebox_relay_rate_wait_seconds",
+            "How long the relay waits for tokens before its next claim (0: not limited).",
+            registry=r)
+        self.backpressure = Gauge(
+            "duebox_relay_backpressure_factor",
+            "Share of the configured dispatch rate the relay currently allows itself "
+            "(1: no overload signalled; lower after broker throttling).", registry=r)
         # --- worker --------------------------------------------------------------
         self.received = counter("duebox_worker_deliveries_total",
                                 "Deliveries a worker received.", b)

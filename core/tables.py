@@ -8,6 +8,7 @@ test in the suite checks the migrations and this module agree.
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,9 +19,11 @@ from sqlalchemy import (
     Column,
     DateTime,
     Dialect,
+    Float,
     Index,
     Integer,
     MetaData,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -73,6 +76,21 @@ def _dt(name: str, nullable: bool = True, **kw: Any) -> Column[datetime]:
 
 JsonType = JSON().with_variant(JSONB(), "postgresql")
 
+# Jobs hash into this many fixed slots (``shard`` column, set at insert from
+# the id); relays that shard split the slots into contiguous ranges, so the
+# number of relay shards can change without rewriting a row.
+SHARD_SLOTS = 1024
+
+
+def shard_of(job_id: uuid.UUID) -> int:
+    """The job's slot: the id's low bits (uuid7's random tail), stable forever."""
+    return job_id.int % SHARD_SLOTS
+
+
+def _shard_default(context: Any) -> int:
+    return shard_of(context.get_current_parameters()["id"])
+
+
 job = Table(
     "duebox_job",
     metadata,
@@ -105,12 +123,16 @@ job = Table(
     _dt("claimed_at"),
     _dt("started_at"),
     _dt("finished_at"),
+    # Added by migration 0003 (operating at scale, see docs/scale.md).
+    Column("shard", SmallInteger, nullable=False, default=_shard_default),
     UniqueConstraint("key", name="uq_duebox_job_key"),
     UniqueConstraint("schedule_id", "nominal_fire_at", name="uq_duebox_job_occurrence"),
     # The claim: state = 'SCHEDULED' AND due_at <= :horizon ORDER BY due_at.
     Index("ix_duebox_job_state_due", "state", "due_at"),
     # The recovery scan: leased states whose lease_until has passed.
     Index("ix_duebox_job_state_lease", "state", "lease_until"),
+    # The fair claim: one bounded, index-ordered read per (queue, tenant, priority).
+    Index("ix_duebox_job_class_due", "state", "queue", "tenant", "priority", "due_at"),
 )
 
 attempt = Table(
@@ -145,6 +167,17 @@ lease = Table(
     Column("epoch", BigInteger, nullable=False, default=0),
     _dt("expires_at"),
     Column("info", JsonType, nullable=True),
+)
+
+rate_bucket = Table(
+    "duebox_rate_bucket",
+    metadata,
+    # Token buckets shared by every relay (docs/scale.md): ``global``,
+    # ``queue:<name>``, ``tenant:<name>``.  Rate and burst live in the relays'
+    # configuration; the row holds only the shared state.
+    Column("name", String(200), primary_key=True),
+    Column("tokens", Float, nullable=False),
+    _dt("updated_at", nullable=False),
 )
 
 audit = Table(

@@ -47,7 +47,10 @@ from duebox.ids import process_token
 from duebox.metrics import DBCollector, Metrics, process_metrics, seconds
 
 from .catchup import CatchUp
+from .fairness import DispatchPolicy
+from .scale import ScaleControls
 from .schedules import ScheduleStep
+from .shards import ShardConfig
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -56,6 +59,23 @@ log = logging.getLogger("duebox.relay")
 
 # Reconciliation pages (of ``batch_size`` jobs) per pass while a sweep runs.
 _SWEEP_PAGES_PER_PASS = 4
+
+# While the relay runs, jobs due within this many seconds are held in memory
+# (still leased in the database) and published on a precise timer rather than
+# through the broker's delay, whose granularity (TTL tiers, a mover's wake-up,
+# a consumer's poll) makes them late by tens of milliseconds.  The lease of a
+# held job covers the window, so a crashed relay's held jobs are recovered.
+_NEAR_WINDOW = 15.0
+# At most this many held jobs (per relay): beyond it, the broker's delay.
+_HOLD_LIMIT = 20_000
+# A held job is published this much before its due time, with no delay, to
+# cover the hand-over to the worker; the worker holds it the last moment
+# (never early: consumers/worker.py).  Per backend: the broker's own latency.
+# Only these backends hold near-due jobs: Kafka has no delay, RabbitMQ's TTL
+# tiers are coarse.  Redis's own timer (the consumer's mover, woken at the
+# earliest score) is as precise and keeps the relay off the critical path;
+# memory:// is exact; sqs:// delays are whole seconds, its polling coarser.
+_LEAD = {"kafka": 0.004, "amqp": 0.002}
 
 
 @dataclass
@@ -71,6 +91,7 @@ class PassStats:
     reconciled: int = 0
     occurrences: int = 0  # schedule occurrences generated
     caught_up: int = 0  # overdue jobs claimed by the rate-limited catch-up claim
+    fenced: int = 0  # claimed jobs dropped unpublished: their shard lease was lost
 
 
 @dataclass
@@ -104,6 +125,10 @@ class Relay:
         metrics: Metrics | None = None,
         heartbeat_interval: float = 5.0,
         collect_interval: float = 5.0,
+        near_window: float = _NEAR_WINDOW,
+        lead: float | None = None,
+        policy: DispatchPolicy | None = None,
+        shards: ShardConfig | None = None,
     ) -> None:
         self.app = app
         self.name = name or process_token("relay")
@@ -115,6 +140,12 @@ class Relay:
         if hold_window is None:
             hold_window = app.settings.poll_interval + 1.0 if max_delay == 0 else 0.0
         self.hold_window = hold_window
+        self.near_window = max(near_window, hold_window) if caps.name in _LEAD else hold_window
+        self.lead = _LEAD.get(caps.name, 0.0) if lead is None else lead
+        # The precise timer runs only inside run(); a bare run_pass() hands
+        # every job to the broker's own delay (Kafka's still waits in _held).
+        self._timer: asyncio.Task[None] | None = None
+        self._held_changed = asyncio.Event()
         self.max_delay = max_delay
         self.precision = caps.delay_precision
         self.recover_interval = recover_interval
@@ -130,6 +161,9 @@ class Relay:
         self._sweeping = False
         self.schedules = ScheduleStep(app, self.batch_size)
         self.catchup = CatchUp(app, self.batch_size)
+        # Operating at scale (docs/scale.md): fair, rate-limited claims and
+        # fenced shard ownership; both off unless configured.
+        self.scale = ScaleControls(app, self.name, policy, shards)
         # Observability (docs/observability.md): event metrics, the periodic
         # database snapshot and this relay's registry row.
         self.metrics = metrics or process_metrics()
@@ -157,7 +191,11 @@ class Relay:
         if not self.broker.capabilities.direct_claim:
             if self._reconciles:
                 stats.reconciled = await self._reconcile()
-            await self._catch_up(stats)
+            if self.scale.shards is not None:
+                await asyncio.to_thread(self.scale.step_shards,
+                                        [h.record.id for h in self._held])
+            if self.scale.fair is None:  # fair mode: overdue jobs are in the fair claim
+                await self._catch_up(stats)
             while True:
                 owner = f"{self.name}#{next(self._claims)}"
                 records = await asyncio.to_thread(self._claim, owner)
@@ -166,6 +204,7 @@ class Relay:
                 if len(records) < self.batch_size:
                     break
             await self._release_held(stats)
+            self.scale.observe(self.metrics)
         self._add(stats)
         return stats
 
@@ -195,17 +234,29 @@ class Relay:
         horizon = now + timedelta(seconds=(self.max_delay or 0.0) + self.hold_window)
         if self.max_delay is None:
             horizon = datetime.max.replace(tzinfo=now.tzinfo)
-        lease = self.app.settings.lease_seconds + self.hold_window
+        # Long enough for a held job to be published: the nearer of the
+        # claim's horizon and the hold window.
+        ahead = min(self._near(), (self.max_delay or 0.0) + self.hold_window)
+        lease = self.app.settings.lease_seconds + max(self.hold_window, ahead)
         overdue = self.catchup.threshold(now)
+        fence = self.scale.fence(now)
+        horizon = self.scale.horizon(now, horizon, self.hold_window)
         with db_errors("claim"), self.app.engine.begin() as conn:
             if catchup:
                 return jobstore.claim_for_dispatch(
                     conn, owner=owner, horizon=overdue, limit=catchup, now=now,
                     lease_until=now + timedelta(seconds=lease), priority_first=True,
+                    fence=fence,
+                )
+            limit = self.scale.backpressure.limit(self.batch_size)
+            if self.scale.fair is not None:
+                return self.scale.fair.claim(
+                    conn, owner=owner, horizon=horizon, after=None, now=now,
+                    lease_until=now + timedelta(seconds=lease), limit=limit, fence=fence,
                 )
             return jobstore.claim_for_dispatch(
-                conn, owner=owner, horizon=horizon, limit=self.batch_size, now=now,
-                lease_until=now + timedelta(seconds=lease), after=overdue,
+                conn, owner=owner, horizon=horizon, limit=limit, now=now,
+                lease_until=now + timedelta(seconds=lease), after=overdue, fence=fence,
             )
 
     async def _dispatch(self, records: list[jobstore.JobRecord], owner: str,
@@ -222,15 +273,26 @@ class Relay:
         for rec in records:
             if self.catchup.too_late(rec, now):
                 continue
-            release_at = self._release_time(rec)
+            release_at = self._release_time(rec, now)
             if release_at > now:
+                if not self._held or release_at < self._held[0].release_at:
+                    self._held_changed.set()  # the timer sleeps until the earliest
                 heapq.heappush(self._held, _Held(release_at, next(self._seq), rec, owner))
                 stats.held += 1
             else:
                 ready.append(rec)
         await self._publish(ready, owner, stats, claimed_at=now)
 
-    def _release_time(self, rec: jobstore.JobRecord) -> datetime:
+    def _near(self) -> float:
+        return self.near_window if self._timer is not None else self.hold_window
+
+    def _release_time(self, rec: jobstore.JobRecord, now: datetime) -> datetime:
+        """When to publish ``rec``: near-due jobs just before their due time
+        (on the timer, while held jobs fit in memory), others as soon as the
+        broker can delay them long enough."""
+        if ((rec.due_at - now).total_seconds() <= self._near()
+                and len(self._held) < _HOLD_LIMIT):
+            return rec.due_at - timedelta(seconds=self.lead)
         if self.max_delay is None:
             return rec.due_at - timedelta(days=36500)
         return rec.due_at - timedelta(seconds=self.max_delay)
@@ -246,7 +308,7 @@ class Relay:
 
     def _delay_for(self, rec: jobstore.JobRecord, now: datetime) -> float:
         remaining = (rec.due_at - now).total_seconds()
-        if remaining <= 0:
+        if remaining <= self.lead:  # released by the timer: the worker holds the rest
             return 0.0
         if self.max_delay is not None:
             remaining = min(remaining, self.max_delay)
@@ -256,19 +318,27 @@ class Relay:
 
     async def _publish(self, records: list[jobstore.JobRecord], owner: str,
                        stats: PassStats, claimed_at: datetime | None = None) -> None:
+        if self.scale.shards is not None:
+            records, fenced = await asyncio.to_thread(self.scale.still_owned, records)
+            stats.fenced += fenced
+            if fenced:
+                self.metrics.fenced.labels(self.backend).inc(fenced)
         if not records:
             return
         now = self.app.clock.now()
         batch = [Outgoing(r.to_message(), self._delay_for(r, now)) for r in records]
+        started = time.monotonic()
         try:
             results = await self.broker.publish(batch)
         except BrokerError as exc:
+            self.scale.backpressure.observe(len(batch), time.monotonic() - started, error=True)
             log.warning("publish of %d jobs failed: %s", len(batch), exc)
             stats.failed += len(batch)
             await asyncio.to_thread(self._db, jobstore.release, owner, [r.id for r in records])
             raise
         ok = [r.job_id for r in results if r.ok]
         failed = [r.job_id for r in results if not r.ok]
+        self.scale.backpressure.observe(len(batch), time.monotonic() - started, refused=len(failed))
         stats.published += len(ok)
         self._observe_published(records, set(ok), now, claimed_at)
         if failed:
@@ -276,7 +346,8 @@ class Relay:
             log.warning("broker refused %d of %d messages; they go back to SCHEDULED",
                         len(failed), len(results))
             await asyncio.to_thread(self._db, jobstore.release, owner, failed)
-        marked = await asyncio.to_thread(self._db, jobstore.mark_enqueued, owner, ok)
+        marked = await asyncio.to_thread(self._db, jobstore.mark_enqueued, owner, ok,
+                                         fence=self.scale.fence(self.app.clock.now()))
         stats.marked += marked
         stats.lost_marks += len(ok) - marked
 
@@ -287,15 +358,17 @@ class Relay:
         m = self.metrics
         for rec in records:
             if rec.id in ok:
-                ready = self._release_time(rec)
-                if claimed_at is not None and claimed_at > ready:
-                    ready = claimed_at
+                # Released by the timer: its release time; published ahead
+                # (the broker delays it) or overdue: the claim.
+                ready = rec.due_at - timedelta(seconds=self.lead)
+                if now < ready or (claimed_at is not None and claimed_at > ready):
+                    ready = claimed_at or now
                 m.published.labels(self.backend, rec.queue).inc()
                 m.dispatch_lag.labels(self.backend).observe(seconds(now, ready))
 
-    def _db(self, fn: object, owner: str, ids: Sequence[object]) -> int:
+    def _db(self, fn: object, owner: str, ids: Sequence[object], **kw: object) -> int:
         with db_errors("mark"), self.app.engine.begin() as conn:
-            result: int = fn(conn, owner=owner, ids=ids, now=self.app.clock.now())  # type: ignore[operator]
+            result: int = fn(conn, owner=owner, ids=ids, now=self.app.clock.now(), **kw)  # type: ignore[operator]
             return result
 
     async def _reconcile(self) -> int:
@@ -351,16 +424,17 @@ class Relay:
             log.info("recovered expired leases: %s", rec)
         return rec
 
-    def _add(self, stats: PassStats) -> None:
+    def _add(self, stats: PassStats, a_pass: bool = True) -> None:
         m, b = self.metrics, self.backend
-        m.relay_passes.labels(b).inc()
+        if a_pass:
+            m.relay_passes.labels(b).inc()
         for counter, n in ((m.marked, stats.marked), (m.lost_marks, stats.lost_marks),
                            (m.expired, stats.expired), (m.publish_failed, stats.failed),
                            (m.reconciled, stats.reconciled)):
             if n:
                 counter.labels(b).inc(n)
         t = self.totals
-        t.passes += 1
+        t.passes += a_pass
         for name in PassStats.__dataclass_fields__:
             setattr(t, name, getattr(t, name) + getattr(stats, name))
 
@@ -386,19 +460,21 @@ class Relay:
         now = self.app.clock.now()
         waits = [self.app.settings.poll_interval,
                  self.recover_interval - (time.monotonic() - self._last_recover)]
-        if self._held:
+        if self._held and self._timer is None:
             waits.append((self._held[0].release_at - now).total_seconds())
         if self._sweeping or self.schedules.pending:
             waits.append(0.0)
         if self.catchup.throttled:
             waits.append(self.catchup.bucket.seconds_until(self.catchup.chunk, now))
+        rate_wait = self.scale.wait()
         if not self.broker.capabilities.direct_claim and self.max_delay is not None:
             with db_errors("next due"), self.app.engine.connect() as conn:
                 due = jobstore.next_due(conn)
             if due is not None:
-                lead = self.max_delay + self.hold_window
-                waits.append(self.catchup.adjust_wait(due, now,
-                                                      (due - now).total_seconds() - lead))
+                lead = self.scale.lead(self.max_delay + self.hold_window, self.hold_window)
+                due_wait = self.catchup.adjust_wait(due, now, (due - now).total_seconds() - lead)
+                # Rate-limited: due jobs wait for tokens, not a busy loop.
+                waits.append(max(due_wait, rate_wait))
         # Every wait counts from ``now``; the query above took some of it.
         return max(0.0, min(waits) - (self.app.clock.now() - now).total_seconds())
 
@@ -412,7 +488,10 @@ class Relay:
         if not await open_broker(self.broker, stop):
             return
         await waker.start()
+        await asyncio.to_thread(self.heartbeat.sync_clock_once)
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-relay-heartbeat")
+        self._held_changed = asyncio.Event()  # of this loop: run() may be called again
+        self._timer = asyncio.create_task(self._fire_held(stop), name="duebox-relay-timer")
         backoff = 0.1
         log.info("relay %s started on %s (max_delay=%s)", self.name,
                  self.broker.capabilities.name, self.max_delay)
@@ -432,9 +511,38 @@ class Relay:
                 waker.event.clear()
         finally:
             await self.heartbeat.stop(beating)
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
             await self._give_back_held()
+            with contextlib.suppress(DatabaseError):
+                await asyncio.to_thread(self.scale.release)
             await waker.stop()
             await self.broker.close()
+
+    async def _fire_held(self, stop: asyncio.Event) -> None:
+        """The precise timer: publish held jobs at their release time, whatever
+        the pass loop is doing meanwhile (claiming, marking, sleeping)."""
+        from duebox.brokers._waiting import wait_any
+
+        while not stop.is_set():
+            self._held_changed.clear()
+            wait = self.app.settings.poll_interval
+            if self._held:
+                wait = (self._held[0].release_at - self.app.clock.now()).total_seconds()
+            if wait > 0:
+                await wait_any(wait, self._held_changed, stop)
+                continue
+            stats = PassStats()
+            try:
+                await self._release_held(stats)
+            except (DatabaseError, BrokerError) as exc:
+                # The failed batch went back to SCHEDULED (or its lease expires).
+                self.totals.errors += 1
+                log.warning("publishing held jobs failed (%s)", exc)
+                await wait_any(0.1, stop)
+            self._add(stats, a_pass=False)
 
     async def _give_back_held(self) -> None:
         """On shutdown, held jobs go back to SCHEDULED at once so another relay

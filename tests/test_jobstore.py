@@ -219,6 +219,23 @@ def test_recover_republishes_an_enqueued_job_nobody_started(app: duebox.Duebox) 
     assert job_row(app.engine, job_id).state == JobState.SCHEDULED
 
 
+def test_recover_waits_redeliver_after_again_after_a_republish(app: duebox.Duebox) -> None:
+    """Found by the soak: measured from the due time alone, an overdue job
+    was republished on every recovery pass, flooding the broker."""
+    [job_id] = add(app, 10)
+    dispatch(app, "relay#1")
+    with app.engine.begin() as conn:
+        jobstore.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
+    assert recover(app, 10 + 61, redeliver_after=60).enqueued == 1
+    dispatch(app, "relay#2", now=10 + 61)
+    with app.engine.begin() as conn:  # republished at 71 s
+        jobstore.mark_enqueued(conn, owner="relay#2", ids=[job_id],
+                               now=at(10 + 61))
+    assert recover(app, 10 + 62, redeliver_after=60).total == 0
+    assert recover(app, 10 + 61 + 59, redeliver_after=60).total == 0
+    assert recover(app, 10 + 61 + 61, redeliver_after=60).enqueued == 1
+
+
 # --- the worker's start and completion -----------------------------------------------
 
 

@@ -1,0 +1,118 @@
+"""The relay's at-scale controls in one place (docs/scale.md): the fair,
+rate-limited claim, shard ownership and its fence, and backpressure.
+
+Each is off, or idle, unless configured; the relay asks this object at a
+few fixed points (claim, publish, mark, sleep, metrics) and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from sqlalchemy import ColumnElement
+
+from duebox import jobstore
+from duebox.metrics import Metrics
+
+from .backpressure import Backpressure
+from .fairness import DispatchPolicy, FairClaim
+from .shards import ShardConfig, ShardOwner
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+
+log = logging.getLogger("duebox.relay")
+
+
+class ScaleControls:
+    def __init__(self, app: Duebox, name: str, policy: DispatchPolicy | None,
+                 shards: ShardConfig | None) -> None:
+        self.app = app
+        self.name = name
+        self.policy = policy or DispatchPolicy.from_env()
+        self.fair = FairClaim(self.policy) if self.policy.enabled else None
+        shards = shards or ShardConfig.from_env()
+        self.shards = (ShardOwner(shards, name, app.settings.clock_skew_margin)
+                       if shards is not None else None)
+        self.backpressure = Backpressure()
+        self._lost_seen = 0
+
+    # --- claim -----------------------------------------------------------------------
+
+    def fence(self, now: datetime) -> ColumnElement[bool] | None:
+        """The shard fence every claim and mark carries (None: not sharded)."""
+        return self.shards.fence(now) if self.shards is not None else None
+
+    def lead(self, lead: float, hold_window: float) -> float:
+        """How far ahead of due time the relay claims.  Rate-limited: within a
+        poll interval only, so a burst reaches the broker (native delay or
+        not) at the limited rate instead of pre-staged in full."""
+        if self.fair is not None and self.policy.limited:
+            return min(lead, self.app.settings.poll_interval + hold_window)
+        return lead
+
+    def horizon(self, now: datetime, horizon: datetime, hold_window: float) -> datetime:
+        if self.fair is None or not self.policy.limited:
+            return horizon
+        soon = now + timedelta(seconds=self.app.settings.poll_interval + hold_window)
+        return min(horizon, soon)
+
+    def wait(self) -> float:
+        """Seconds due jobs must wait anyway: for tokens, or for the broker."""
+        rate = self.fair.last.wait if self.fair is not None else 0.0
+        return max(rate, self.backpressure.pause(self.app.settings.poll_interval))
+
+    # --- shards ----------------------------------------------------------------------
+
+    def step_shards(self, held: Iterable[uuid.UUID]) -> None:
+        if self.shards is not None:
+            busy = {self.shards.shard_of_job(i) for i in held}
+            self.shards.step(self.app.engine, self.app.clock.now(), busy)
+
+    def still_owned(self, records: list[jobstore.JobRecord]
+                    ) -> tuple[list[jobstore.JobRecord], int]:
+        """Just before publishing: only jobs of shards this relay still holds
+        by the database (a relay resumed after a pause must not publish)."""
+        if self.shards is None:
+            return records, 0
+        valid = self.shards.verify(self.app.engine, self.app.clock.now())
+        kept = [r for r in records if self.shards.shard_of_job(r.id) in valid]
+        dropped = len(records) - len(kept)
+        if dropped:
+            log.warning("dropped %d claimed jobs before publishing: their shard lease was "
+                        "lost (this relay paused or fell behind); their new owner publishes "
+                        "them", dropped)
+        return kept, dropped
+
+    def release(self) -> None:
+        if self.shards is not None:
+            self.shards.release_all(self.app.engine)
+
+    # --- metrics ---------------------------------------------------------------------
+
+    def observe(self, m: Metrics) -> None:
+        """Gauges for shard ownership, rate limiting and backpressure."""
+        if self.shards is not None:
+            m.shards_owned.labels(self.name).set(len(self.shards.owned))
+            for k in range(self.shards.config.count):
+                o = self.shards.owned.get(k)
+                if o is not None:
+                    m.shard_generation.labels(self.name, str(k)).set(o.generation)
+                else:
+                    with contextlib.suppress(KeyError):
+                        m.shard_generation.remove(self.name, str(k))
+            if self.shards.lost > self._lost_seen:
+                m.shards_lost.labels(self.name).inc(self.shards.lost - self._lost_seen)
+                self._lost_seen = self.shards.lost
+        if self.fair is not None:
+            last = self.fair.last
+            for kind in ("global", "queue", "tenant"):
+                m.rate_limited.labels(kind).set(
+                    sum(1 for n in last.throttled if n.split(":", 1)[0] == kind))
+            m.rate_wait.set(last.wait)
+        m.backpressure.set(self.backpressure.factor)
