@@ -57,6 +57,16 @@ def name_param(params: dict[str, str], name: str, default: str, pattern: str,
     return value
 
 
+def refuse_unknown(params: dict[str, str], known: frozenset[str], scheme: str) -> None:
+    """A misspelt parameter (``?prefx=``) would otherwise be ignored in silence
+    and the backend would run with the default it was meant to replace."""
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"broker_url: unknown parameter {unknown[0]!r} for {scheme}:// "
+            f"(known: {', '.join(sorted(known))})")
+
+
 def ordering_key(msg: JobMessage) -> str:
     """The job's ``ordering_key`` header as a string, else its id."""
     key = msg.headers.get(ORDERING_KEY_HEADER) if msg.headers else None

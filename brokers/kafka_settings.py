@@ -13,9 +13,13 @@ from urllib.parse import unquote, urlsplit
 
 from duebox.errors import BrokerError, ConfigurationError
 
-from ._common import flag, name_param, number
+from ._common import flag, name_param, number, refuse_unknown
 
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+URL_PARAMS = frozenset({"security_protocol", "idempotence", "replication", "prefix", "group",
+                        "partitions", "fetch_max_wait_ms", "request_timeout_ms",
+                        "session_timeout_ms", "max_message_size", "create_topics",
+                        "check_interval", "sasl_mechanism", "ssl_cafile", "max_delay"})
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class KafkaSettings:
         parts = urlsplit(url)
         if parts.scheme != "kafka":
             raise ConfigurationError(f"broker_url: must start with kafka:// (got {url!r})")
+        refuse_unknown(params, URL_PARAMS, "kafka")
         hosts = parts.netloc.rpartition("@")[2]
         bootstrap = []
         for hp in filter(None, hosts.split(",")):

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import logging
 import math
 import time
@@ -227,6 +229,11 @@ class RedisSettings:
         query = parse_qsl(parts.query, keep_blank_values=True)
         own = {k: v for k, v in query if k in _OWN_PARAMS}
         rest = [(k, v) for k, v in query if k not in _OWN_PARAMS]
+        unknown = sorted({k for k, _ in rest} - _client_params())
+        if unknown:  # redis-py would fail with a TypeError at the first connection
+            raise ConfigurationError(
+                f"broker_url: unknown parameter {unknown[0]!r} for redis:// (duebox's own: "
+                f"{', '.join(_OWN_PARAMS)}; the rest go to redis-py's connection)")
         for name in ("prefix", "group"):
             value = own.get(name, "duebox")
             if not value or any(c in value for c in "{}: \t\n"):
@@ -241,6 +248,18 @@ class RedisSettings:
             group=own.get("group", "duebox"),
             claim_idle=_seconds("claim_idle", own.get("claim_idle", "30"), minimum=0.1),
         )
+
+
+@functools.cache
+def _client_params() -> frozenset[str]:
+    """The URL parameters redis-py's connection pool and connections accept."""
+    from redis.asyncio import connection as rc
+
+    names = set(getattr(rc, "URL_QUERY_ARGUMENT_PARSERS", {}))
+    for cls in (rc.AbstractConnection, rc.Connection, rc.SSLConnection,
+                rc.UnixDomainSocketConnection):
+        names |= set(inspect.signature(cls.__init__).parameters)
+    return frozenset(names - {"self", "kwargs", "args"})
 
 
 def _seconds(name: str, raw: str, minimum: float) -> float:

@@ -11,11 +11,14 @@ from urllib.parse import unquote, urlsplit
 
 from duebox.errors import BrokerError, ConfigurationError
 
-from ._common import flag, name_param, number
+from ._common import flag, name_param, number, refuse_unknown
 
 MAX_DELAY_SECONDS = 900  # SQS's DelaySeconds ceiling
 MAX_VISIBILITY = 43200  # 12 hours, SQS's cap on a received message's invisibility
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
+URL_PARAMS = frozenset({"endpoint", "tls", "region", "prefix", "fifo", "wait",
+                        "visibility_timeout", "threads", "max_message_size", "create",
+                        "check_interval", "align", "max_delay"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class SQSSettings:
         parts = urlsplit(url)
         if parts.scheme != "sqs":
             raise ConfigurationError(f"broker_url: must start with sqs:// (got {url!r})")
+        refuse_unknown(params, URL_PARAMS, "sqs")
         endpoint = params.get("endpoint") or None
         host = parts.hostname
         if host and endpoint:

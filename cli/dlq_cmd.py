@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import click
 
 from duebox import dlq
+from duebox.db import db_errors
 from duebox.ids import parse_job_id
 
 from .loading import load_app
@@ -36,7 +37,7 @@ def register(cli: click.Group, app_options: Callable[[Cmd], Cmd]) -> None:
                  error_class: str | None, task: str | None, limit: int) -> None:
         """Dead jobs with their error class; quarantined ones are marked Q."""
         app = load_app(app_spec, database_url, broker_url)
-        with app.engine.connect() as conn:
+        with db_errors("dlq list"), app.engine.connect() as conn:
             total = dlq.count_dead(conn, error_class=error_class, task=task)
             rows = dlq.list_dead(conn, error_class=error_class, task=task, limit=limit)
         click.echo(f"{total} dead job(s)")
@@ -79,9 +80,10 @@ def register(cli: click.Group, app_options: Callable[[Cmd], Cmd]) -> None:
                    task: str | None, operator: str, reason: str, rate: float,
                    force: bool) -> None:
         """Send dead jobs back through dispatch (same job id, fresh attempts)."""
+        operator, reason = dlq.check_operator(operator, reason)  # before any question
         app = load_app(app_spec, database_url, broker_url)
         ids = _select(job_ids, all_dead, error_class, task)
-        with app.engine.connect() as conn:
+        with db_errors("dlq count"), app.engine.connect() as conn:
             total = len(ids) if ids is not None else dlq.count_dead(
                 conn, error_class=error_class, task=task)
         with click.progressbar(length=total, label="replaying") as bar:
@@ -102,11 +104,12 @@ def register(cli: click.Group, app_options: Callable[[Cmd], Cmd]) -> None:
                   job_ids: tuple[str, ...], all_dead: bool, error_class: str | None,
                   task: str | None, operator: str, reason: str, yes: bool) -> None:
         """Delete dead jobs and their attempts (audit rows stay)."""
+        operator, reason = dlq.check_operator(operator, reason)  # before any question
         app = load_app(app_spec, database_url, broker_url)
         ids = _select(job_ids, all_dead, error_class, task)
         if not yes:
             click.confirm("Delete these dead jobs for good?", abort=True)
-        with app.engine.connect() as conn:
+        with db_errors("dlq count"), app.engine.connect() as conn:
             total = len(ids) if ids is not None else dlq.count_dead(
                 conn, error_class=error_class, task=task)
         with click.progressbar(length=total, label="purging") as bar:

@@ -20,7 +20,9 @@ import click
 from sqlalchemy.orm import Session
 
 from duebox import Duebox, DueboxError, migrate
+from duebox.db import db_errors
 from duebox.ids import parse_job_id
+from duebox.states import JobState
 
 from .dlq_cmd import register as register_dlq
 from .loading import load_app
@@ -70,7 +72,8 @@ def metrics_options(fn: F) -> F:
     fn = click.option("--metrics-host", envvar="DUEBOX_METRICS_HOST", default="127.0.0.1",
                       help="Address the metrics endpoint listens on. "
                            "[env DUEBOX_METRICS_HOST]")(fn)
-    return click.option("--metrics-port", envvar="DUEBOX_METRICS_PORT", type=int, default=None,
+    return click.option("--metrics-port", envvar="DUEBOX_METRICS_PORT",
+                        type=click.IntRange(0, 65535), default=None,
                         help="Serve Prometheus metrics on this port (off when unset). "
                              "[env DUEBOX_METRICS_PORT]")(fn)
 
@@ -111,7 +114,8 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
 @cli.command()
 @app_options
 @metrics_options
-@click.option("--concurrency", envvar="DUEBOX_CONCURRENCY", type=int, default=None,
+@click.option("--concurrency", envvar="DUEBOX_CONCURRENCY", type=click.IntRange(1, 10_000),
+              default=None,
               help="Jobs run at once. [env DUEBOX_CONCURRENCY]")
 @click.option("--queue", "queues", envvar="DUEBOX_QUEUES", multiple=True,
               help="Queue to consume (repeatable; default: every registered task's queue). "
@@ -162,7 +166,8 @@ def jobs() -> None:
 
 @jobs.command("list")
 @app_options
-@click.option("--state", default=None, help="Only jobs in this state.")
+@click.option("--state", default=None, help="Only jobs in this state.",
+              type=click.Choice([s.value for s in JobState], case_sensitive=False))
 @click.option("--queue", default=None, help="Only jobs of this queue.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
 def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | None,
@@ -203,7 +208,7 @@ def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str 
     """Cancel a job; a message already in a broker for it will be discarded."""
     app = load_app(app_spec, database_url, broker_url)
     jid = parse_job_id(job_id, "JOB_ID")
-    with Session(app.engine) as session, session.begin():
+    with db_errors("jobs cancel"), Session(app.engine) as session, session.begin():
         done = app.cancel(session, jid, operator=operator, reason=reason)
     click.echo(f"job {jid}: {'cancelled' if done else 'already finished, nothing to cancel'}")
 
@@ -231,8 +236,9 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
     app = load_app(app_spec, database_url, broker_url)
     shown = 0
     while True:
-        report = build_report(app.engine, app.clock.now(), window=window,
-                              max_due_age=max_due_age)
+        with db_errors("status"):
+            report = build_report(app.engine, app.clock.now(), window=window,
+                                  max_due_age=max_due_age)
         if watch is not None and not as_json:
             click.clear()
         click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
@@ -278,7 +284,8 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
     expected = r.scheduled - min(cancels, n_jobs)
     if r.early or r.duplicates or r.cancelled_ran or r.ran != expected:
         raise click.ClickException("demo found a violated guarantee (see above)")
-    click.echo("all guarantees held. Next: `duebox jobs list`, `duebox status`.")
+    click.echo("all guarantees held. Next: `duebox jobs list`, `duebox status`, "
+               "`duebox dashboard`.")
 
 
 register_dlq(cli, app_options)
@@ -299,4 +306,5 @@ def main() -> None:
         sys.exit(1)
 
 
-from . import schedules_cmd  # noqa: E402, F401  (registers `duebox schedules`)
+# Registers `duebox dashboard` and `duebox schedules`.
+from . import dashboard_cmd, schedules_cmd  # noqa: E402, F401

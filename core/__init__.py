@@ -6,7 +6,7 @@ worker runs it exactly once in effect, never before its due time.
 """
 
 from .app import Duebox
-from .clock import Clock, FakeClock, SystemClock
+from .clock import Clock, DatabaseClock, FakeClock, SystemClock
 from .config import Settings
 from .errors import (
     BrokerError,
@@ -18,6 +18,7 @@ from .errors import (
     LeaseLostError,
     MessageDecodeError,
     MissingDependencyError,
+    PermissionDeniedError,
     UnknownTaskError,
     ValidationError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "Classifier",
     "Clock",
     "ConfigurationError",
+    "DatabaseClock",
     "DatabaseError",
     "Duebox",
     "DueboxError",
@@ -70,6 +72,7 @@ __all__ = [
     "MissingDependencyError",
     "NewJob",
     "Permanent",
+    "PermissionDeniedError",
     "RedisDedupeStore",
     "RetryPolicy",
     "SQLDedupeStore",

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .clock import Clock, SystemClock
+from .clock import Clock, DatabaseClock
 from .config import Settings
 from .db import create_async_engine_for, create_sync_engine
+from .dlq import check_operator
 from .errors import ConfigurationError, UnknownTaskError, ValidationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
 from .producer import (
@@ -23,6 +24,7 @@ from .producer import (
     check_optional_str,
     check_payload,
     check_priority,
+    check_size,
     dialect_of,
     drive,
     insert_many_steps,
@@ -30,7 +32,7 @@ from .producer import (
     reschedule_steps,
     resolve_due,
 )
-from .registry import broker_class, check_broker_url
+from .registry import broker_class, check_broker_url, message_limit
 from .schedules import Schedules
 from .tasks import Handler, RetryPolicy, Task, validate_task_options
 
@@ -63,11 +65,12 @@ class Duebox:
                 database_url=engine.url.render_as_string(hide_password=False)
             )
         check_broker_url(self.settings.broker_url)
-        self.clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or DatabaseClock()
         self.tasks: dict[str, Task] = {}
         self._engine = engine
         self._own_engine = engine is None
         self._async_engine: AsyncEngine | None = None
+        self._limit: tuple[tuple[str, int], tuple[int, str]] | None = None
         self.schedules = Schedules(self)
 
     @classmethod
@@ -132,6 +135,7 @@ class Duebox:
         timeout: float | None = None,
         validate: Callable[[Any], None] | None = None,
         max_lateness: float | None = None,
+        mask: Callable[[Any], Any] | None = None,
     ) -> Callable[[F], F]:
         """Register ``fn(payload, ctx)`` (sync or async) as task ``name``.
 
@@ -141,6 +145,8 @@ class Duebox:
         a payload no longer fits the handler and is checked before DLQ replay.
         ``max_lateness``: a job not dispatched within this many seconds of its
         due time (an outage) is EXPIRED by the relay instead of run late.
+        ``mask(payload)`` returns the payload as people may see it (the
+        dashboard shows that, never the raw payload).
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
@@ -158,7 +164,7 @@ class Duebox:
                 name=name, fn=fn, queue=queue, max_attempts=max_attempts,
                 retry=retry or RetryPolicy(), lease_seconds=lease_seconds,
                 classifier=classifier, timeout=timeout, validate=validate,
-                max_lateness=max_lateness,
+                max_lateness=max_lateness, mask=mask,
             )
             return fn
 
@@ -179,6 +185,15 @@ class Duebox:
 
     # --- producer API ------------------------------------------------------
 
+    def payload_limit(self) -> tuple[int, str]:
+        """The largest payload plus headers, in bytes of JSON, that schedule()
+        accepts, and where that limit comes from."""
+        url = self.settings.broker_url
+        if self._limit is None or self._limit[0] != (url, self.settings.max_payload_bytes):
+            self._limit = ((url, self.settings.max_payload_bytes),
+                           message_limit(url, self.settings.max_payload_bytes))
+        return self._limit[1]
+
     def new_job(
         self,
         name: str,
@@ -195,7 +210,7 @@ class Duebox:
         """Validate one job's arguments; raises :class:`ValidationError` naming the field."""
         task = self.get_task(name)
         due_at = resolve_due(self.clock.now(), at, delay)
-        check_payload(payload)
+        size = check_payload(payload)
         check_optional_str("key", key, 400)
         check_optional_str("tenant", tenant, 200)
         check_priority(priority)
@@ -205,10 +220,8 @@ class Duebox:
         if headers is not None:
             if not isinstance(headers, dict):
                 raise ValidationError("headers", "must be a dict", headers)
-            try:
-                check_payload(headers)
-            except ValidationError as exc:  # name the field that was wrong
-                raise ValidationError("headers", exc.rule) from None
+            size += check_payload(headers, "headers")
+        check_size(size, *self.payload_limit())
         return NewJob(
             task=name, queue=task.queue, payload=payload, due_at=due_at,
             max_attempts=task.max_attempts, key=key, priority=priority, tenant=tenant,
@@ -261,9 +274,12 @@ class Duebox:
         """Cancel a job and bump its version; True if it was active.
 
         A message already handed to a broker for it will be discarded by the
-        worker's version check.  With ``operator`` an audit row is written.
+        worker's version check.  With ``operator`` (and then a ``reason``,
+        required) an audit row is written.
         """
         dialect_of(session)
+        if operator is not None or reason is not None:
+            operator, reason = check_operator(operator, reason)
         return drive(session, cancel_steps(job_id, self.clock.now(), operator, reason))
 
     def reschedule(

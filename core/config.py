@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -40,16 +41,20 @@ class Settings:
     catchup_rate: float = 100.0
     catchup_after: float = 60.0
     misfire_grace: float = 60.0
+    # The largest payload (with headers) schedule() accepts, in bytes of JSON;
+    # a broker with a smaller message limit lowers it further.
+    max_payload_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
         _positive_int("batch_size", self.batch_size, upper=100_000)
         _positive_int("concurrency", self.concurrency, upper=10_000)
+        _positive_int("max_payload_bytes", self.max_payload_bytes, upper=512 * 1024 * 1024)
         for name in ("poll_interval", "lease_seconds", "redeliver_after", "catchup_rate",
                      "catchup_after", "misfire_grace"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
+            if not _finite(value) or value <= 0:
                 raise ConfigurationError(f"{name}: must be a number > 0 (got {value!r})")
-        if not isinstance(self.clock_skew_margin, int | float) or self.clock_skew_margin < 0:
+        if not _finite(self.clock_skew_margin) or self.clock_skew_margin < 0:
             raise ConfigurationError(
                 f"clock_skew_margin: must be a number >= 0 (got {self.clock_skew_margin!r})"
             )
@@ -91,6 +96,12 @@ def _convert(name: str, type_name: object, raw: str) -> Any:
             f"{env_name}: must be a {type_name} (got {raw!r})"
         ) from None
     return raw
+
+
+def _finite(value: object) -> bool:
+    # NaN and infinity pass every `<= 0` test; a bool is an int by accident.
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def _positive_int(name: str, value: object, upper: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,13 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool, StaticPool
 
-from .errors import ConfigurationError, DatabaseError, MissingDependencyError
+from .errors import (
+    ConfigurationError,
+    DatabaseError,
+    MissingDependencyError,
+    PermissionDeniedError,
+)
+from .message import lenient_json
 
 log = logging.getLogger("duebox.db")
 
@@ -47,10 +54,12 @@ def create_sync_engine(url: str | URL, **kw: Any) -> Engine:
     try:
         if backend == "sqlite":
             return _sqlite_engine(parsed, **kw)
-        kw.setdefault("pool_pre_ping", True)
         kw.setdefault("pool_size", 10)
         kw.setdefault("max_overflow", 20)
-        return create_engine(parsed, **kw)
+        engine = create_engine(parsed, **kw)
+        if not kw.get("pool_pre_ping"):
+            ping_when_idle(engine)
+        return engine
     except sa_exc.NoSuchModuleError as exc:
         raise ConfigurationError(
             f"database_url: unknown database dialect {parsed.drivername!r}"
@@ -70,13 +79,46 @@ def create_async_engine_for(url: str | URL) -> AsyncEngine:
         parsed = parsed.set(drivername="postgresql+psycopg")
     try:
         if backend == "sqlite":
-            engine = create_async_engine(parsed, poolclass=NullPool)
+            engine = create_async_engine(parsed, poolclass=NullPool,
+                                         json_deserializer=lenient_json)
             event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
             event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
             return engine
-        return create_async_engine(parsed, pool_pre_ping=True)
+        async_engine = create_async_engine(parsed)
+        ping_when_idle(async_engine.sync_engine)
+        return async_engine
     except ModuleNotFoundError as exc:
         raise MissingDependencyError(exc.name or str(parsed.drivername), backend) from exc
+
+
+# A pooled connection idle this long is pinged before use.  Not every
+# checkout, as ``pool_pre_ping`` would: that is one more round trip per
+# transaction, on the worker's hot path two per job.  A connection used within
+# the last second that the server dropped meanwhile fails its statement
+# instead; SQLAlchemy then invalidates the pool and the caller's retry (every
+# relay and worker step retries on DatabaseError) gets fresh connections.
+_PING_AFTER_IDLE = 1.0
+_IDLE_SINCE = "duebox_idle_since"
+
+
+def ping_when_idle(engine: Engine) -> None:
+    def checkin(_dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info[_IDLE_SINCE] = time.monotonic()
+
+    def checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.pop(_IDLE_SINCE, None)
+        if since is None or time.monotonic() - since < _PING_AFTER_IDLE:
+            return
+        try:
+            alive = engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:  # the driver's own error: the connection is gone
+            raise sa_exc.DisconnectionError(f"stale pooled connection: {exc}") from exc
+        if not alive:
+            raise sa_exc.DisconnectionError("stale pooled connection")
+
+    event.listen(engine.pool, "checkin", checkin)
+    event.listen(engine.pool, "checkout", checkout)
 
 
 def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -113,6 +155,8 @@ def _sqlite_engine(parsed: URL, **kw: Any) -> Engine:
         kw.setdefault("connect_args", {"check_same_thread": False})
     else:
         kw.setdefault("connect_args", {"check_same_thread": False, "timeout": 30})
+    # SQLite stores JSON as unchecked text: a bad row must not break a claim.
+    kw.setdefault("json_deserializer", lenient_json)
     engine = create_engine(parsed, **kw)
     event.listen(engine, "connect", _sqlite_on_connect)
     event.listen(engine, "begin", _sqlite_on_begin)
@@ -124,12 +168,32 @@ def db_errors(action: str) -> Iterator[None]:
     """Convert a driver's connection failure into :class:`DatabaseError`."""
     try:
         yield
-    except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
-        raise DatabaseError(f"{action}: database unavailable: {exc.orig}") from exc
     except sa_exc.DBAPIError as exc:
+        # First: MySQL reports a missing privilege as an OperationalError.
+        if _permission_denied(exc.orig):
+            raise PermissionDeniedError(action, _first_line(exc.orig)) from exc
+        if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError):
+            raise DatabaseError(f"{action}: database unavailable: {exc.orig}") from exc
         if exc.connection_invalidated:
             raise DatabaseError(f"{action}: database connection lost: {exc.orig}") from exc
         raise
+
+
+# PostgreSQL's SQLSTATE for a missing privilege; MySQL/MariaDB's error numbers
+# for a table or column privilege a user does not have.
+_PG_INSUFFICIENT_PRIVILEGE = "42501"
+_MYSQL_DENIED = frozenset({1142, 1143, 1044})
+
+
+def _permission_denied(orig: object) -> bool:
+    if getattr(orig, "sqlstate", None) == _PG_INSUFFICIENT_PRIVILEGE:
+        return True
+    args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+    return bool(args) and isinstance(args[0], int) and args[0] in _MYSQL_DENIED
+
+
+def _first_line(orig: object) -> str:
+    return str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
 
 
 def check_reachable(engine: Engine) -> None:

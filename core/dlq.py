@@ -12,6 +12,7 @@ forced.  Purge deletes dead jobs and their attempts; the audit rows stay.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -86,12 +87,24 @@ def quarantine_if_repeated(
     return True
 
 
+# The audit table's column widths (tables.audit); longer values are refused
+# rather than cut, so what is recorded is what the operator said.
+_OPERATOR_MAX = 200
+_REASON_MAX = 2000
+
+
 def check_operator(operator: object, reason: object) -> tuple[str, str]:
+    """Who and why, both required for an audited action; refused before any write."""
     if not isinstance(operator, str) or not operator.strip():
         raise ValidationError("operator", "an operator identity is required for this action",
                               operator)
+    if len(operator.strip()) > _OPERATOR_MAX or not operator.strip().isprintable():
+        raise ValidationError("operator", f"must be at most {_OPERATOR_MAX} printable "
+                              "characters", operator)
     if not isinstance(reason, str) or not reason.strip():
         raise ValidationError("reason", "a reason is required for this action", reason)
+    if len(reason.strip()) > _REASON_MAX:
+        raise ValidationError("reason", f"must be at most {_REASON_MAX} characters", reason)
     return operator.strip(), reason.strip()
 
 
@@ -164,10 +177,23 @@ def replay(
     error_class: str | None = None, task: str | None = None, rate: float = 50.0,
     force: bool = False, progress: Progress | None = None,
 ) -> ReplayReport:
-    """Send dead jobs back through dispatch at no more than ``rate`` per second."""
+    """Send dead jobs back through dispatch at no more than ``rate`` per second.
+
+    Raises :class:`ValidationError` without an operator and a reason, and
+    :class:`PermissionDeniedError` when the database role may not do it."""
     operator, reason = check_operator(operator, reason)
-    if not isinstance(rate, int | float) or not rate > 0:
-        raise ValidationError("rate", "must be a number of jobs per second > 0", rate)
+    if (not isinstance(rate, int | float) or isinstance(rate, bool) or not math.isfinite(rate)
+            or not rate > 0):
+        raise ValidationError("rate", "must be a finite number of jobs per second > 0", rate)
+    with db_errors("dlq replay"):
+        return _replay(app, operator, reason, ids, error_class, task, rate, force, progress)
+
+
+def _replay(
+    app: Duebox, operator: str, reason: str, ids: Sequence[uuid.UUID] | None,
+    error_class: str | None, task: str | None, rate: float, force: bool,
+    progress: Progress | None,
+) -> ReplayReport:
     report = ReplayReport()
     start = app.clock.now()
     spacing = 1.0 / rate
@@ -180,7 +206,7 @@ def replay(
             budget = _check_replayable(app, dead, force, report)
             if budget is not None:
                 rows.append((dead, budget))
-        with db_errors("dlq replay"), app.engine.begin() as conn:
+        with app.engine.begin() as conn:
             for dead, budget in rows:
                 due = start + timedelta(seconds=report.replayed * spacing)
                 moved = conn.execute(
@@ -233,11 +259,19 @@ def purge(
 ) -> int:
     """Delete dead jobs and their attempts; one audit row per job stays."""
     operator, reason = check_operator(operator, reason)
+    with db_errors("dlq purge"):
+        return _purge(app, operator, reason, ids, error_class, task, progress)
+
+
+def _purge(
+    app: Duebox, operator: str, reason: str, ids: Sequence[uuid.UUID] | None,
+    error_class: str | None, task: str | None, progress: Progress | None,
+) -> int:
     purged = 0
     for page in _dead_pages(app.engine, ids, error_class, task):
         dead_ids = [d.id for d in page if d is not None]
         if dead_ids:
-            with db_errors("dlq purge"), app.engine.begin() as conn:
+            with app.engine.begin() as conn:
                 gone = conn.execute(
                     delete(job).where(job.c.id.in_(dead_ids), job.c.state == JobState.DEAD)
                 ).rowcount

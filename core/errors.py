@@ -11,6 +11,7 @@ original chained as ``__cause__``::
     │   ├── UnknownTaskError
     │   └── MessageDecodeError    a broker message that is not a duebox message
     ├── DatabaseError             the database is unreachable or refused a write
+    │   └── PermissionDeniedError   the database role lacks a privilege the action needs
     ├── BrokerError               the broker is unreachable or refused a publish
     └── JobStateError             the job is not in a state that allows the action
         ├── JobNotFoundError
@@ -63,6 +64,17 @@ class MessageDecodeError(ValidationError):
 
 class DatabaseError(DueboxError):
     """The database could not be reached or refused the statement."""
+
+
+class PermissionDeniedError(DatabaseError):
+    """The database refused the statement for lack of a privilege: operator
+    actions are restricted with database roles (docs/operators.md)."""
+
+    def __init__(self, action: str, detail: object) -> None:
+        super().__init__(
+            f"{action}: permission denied: the database role lacks a privilege this action "
+            f"needs ({detail}); see docs/operators.md for the grants")
+        self.action = action
 
 
 class BrokerError(DueboxError):

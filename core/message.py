@@ -25,6 +25,27 @@ HEADER_DUE_AT = "duebox-due-at"
 HEADER_TASK = "duebox-task"
 
 
+class UndecodableJSON(str):
+    """The text of a JSON column that does not parse: a row written by hand
+    or another program into a database that does not check JSON (SQLite).
+    Reading it must not stop a worker; :func:`check_stored_payload` turns it
+    into a refusal that dead-letters the job with the reason."""
+
+
+def lenient_json(text: str | bytes) -> Any:
+    """The engines' JSON deserializer: a stored value that does not parse
+    becomes an :class:`UndecodableJSON` instead of an exception in a claim."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return UndecodableJSON(text if isinstance(text, str) else text.decode("utf-8", "replace"))
+
+
+def check_stored_payload(payload: object) -> None:
+    if isinstance(payload, UndecodableJSON):
+        raise MessageDecodeError("payload", "the stored value is not valid JSON", str(payload))
+
+
 @dataclass(frozen=True, slots=True)
 class JobMessage:
     job_id: uuid.UUID

@@ -77,7 +77,10 @@ def aware(field: str, value: object) -> datetime:
             field, "must be timezone-aware (naive datetimes are ambiguous; use tzinfo=UTC)",
             value,
         )
-    return value.astimezone(UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValidationError(field, "must be within years 1 to 9999 in UTC", value) from None
 
 
 def resolve_due(now: datetime, at: object, delay: object) -> datetime:
@@ -95,14 +98,28 @@ def resolve_due(now: datetime, at: object, delay: object) -> datetime:
         raise ValidationError("delay", "must be a timedelta or a number of seconds", delay)
     if not math.isfinite(seconds) or seconds < 0:
         raise ValidationError("delay", "must be a finite number of seconds >= 0", delay)
-    return now + timedelta(seconds=seconds)
-
-
-def check_payload(payload: object) -> None:
     try:
-        json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValidationError("payload", f"must be JSON-serialisable ({exc})") from None
+        return now + timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValidationError("delay", "must end before the year 9999", delay) from None
+
+
+def check_payload(payload: object, field: str = "payload") -> int:
+    """Refuse what JSON cannot carry faithfully; return the encoded size in bytes."""
+    try:
+        text = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValidationError(field, f"must be JSON-serialisable ({exc})") from None
+    return len(text.encode())
+
+
+def check_size(size: int, limit: int, where: str) -> None:
+    """A job whose message the broker would refuse is refused here, at
+    schedule(), not by the relay long after the caller committed."""
+    if size > limit:
+        raise ValidationError(
+            "payload", f"payload and headers must encode to at most {limit} bytes of JSON "
+            f"({where})", f"{size} bytes")
 
 
 def check_optional_str(field: str, value: object, limit: int) -> None:

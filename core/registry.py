@@ -72,3 +72,26 @@ def effective_max_delay(native: float | None, params: dict[str, str]) -> float |
 def register_broker(scheme: str, target: str) -> None:
     """Add a backend: ``register_broker("nats", "mypkg.nats:NatsBroker")``."""
     BROKERS[scheme.lower()] = target
+
+
+# Room left in a broker's message for the envelope around the payload: id,
+# task and queue names (up to 200 characters each), version, times, and the
+# duebox-* headers/attributes that some brokers count against the same limit.
+ENVELOPE_ALLOWANCE = 2048
+
+
+def message_limit(url: str, configured: int) -> tuple[int, str]:
+    """The payload-plus-headers size a job may have on this broker: the
+    configured ``max_payload_bytes``, lowered to what the backend's message
+    limit (``?max_message_size=`` where it has one) leaves after the envelope."""
+    cls = broker_class(url)
+    native = cls.capabilities.payload_limit
+    raw = dict(parse_qsl(urlsplit(url).query)).get("max_message_size")
+    if raw is not None and raw.isdigit():
+        native = int(raw)
+    if native is not None and native - ENVELOPE_ALLOWANCE < configured:
+        scheme = urlsplit(url).scheme.lower()
+        return max(0, native - ENVELOPE_ALLOWANCE), (
+            f"the {scheme}:// message limit of {native} bytes less {ENVELOPE_ALLOWANCE} "
+            "for the envelope")
+    return configured, "max_payload_bytes"

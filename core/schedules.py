@@ -44,6 +44,7 @@ from .producer import (
     check_optional_str,
     check_payload,
     check_priority,
+    check_size,
     dialect_of,
     drive,
 )
@@ -286,7 +287,7 @@ class Schedules:
         expire = options.get("expire_after")
         expire_after = None if expire is None else _seconds("expire_after", expire, minimum=1)
         payload = options.get("payload")
-        check_payload(payload)
+        check_size(check_payload(payload), *self._app.payload_limit())
         priority = check_priority(options.get("priority", 0))
         paused = options.get("paused", False)
         if not isinstance(paused, bool):

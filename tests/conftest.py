@@ -14,6 +14,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 # Imported now, while only this thread runs: hypothesis' pytest plugin
@@ -174,3 +175,18 @@ def kafka_bootstrap() -> Iterator[str]:
         yield address
     finally:
         mock.stop_background()
+
+
+@pytest.fixture
+def runner(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A click runner for ``duebox`` against ``database_url``, with
+    ``tests.apps.cli_app:app`` pointed at it (and no operator in the env)."""
+    from click.testing import CliRunner
+
+    from tests.apps import cli_app
+
+    monkeypatch.setenv("DUEBOX_DATABASE_URL", database_url)
+    monkeypatch.delenv("DUEBOX_OPERATOR", raising=False)
+    cli_app.app.configure(database_url=database_url)
+    yield CliRunner()
+    cli_app.app.dispose()

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ from duebox import migrate
 from duebox.cli.main import cli
 from duebox.tables import audit, job
 from tests.apps import cli_app
-
-
-@pytest.fixture
-def runner(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
-    monkeypatch.setenv("DUEBOX_DATABASE_URL", database_url)
-    cli_app.app.configure(database_url=database_url)
-    yield CliRunner()
-    cli_app.app.dispose()
 
 
 def _schedule(database_url: str, **kw: object) -> uuid.UUID:

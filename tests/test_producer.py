@@ -323,7 +323,7 @@ async def test_cancel_of_an_unknown_id_raises_and_writes_nothing(
     missing = uuid.uuid4()
     with pytest.raises(JobNotFoundError) as info:
         async with transaction(app, kind) as tx:
-            await resolve(app.cancel(tx, missing, operator="alice"))
+            await resolve(app.cancel(tx, missing, operator="alice", reason="test"))
     assert str(missing) in str(info.value)
     assert set(duebox_row_counts(app.engine).values()) == {0}
 

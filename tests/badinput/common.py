@@ -1,0 +1,42 @@
+"""What every bad-input test needs: a well-formed message body to spoil,
+and the check that a rejected call wrote nothing."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from helpers import duebox_row_counts
+from sqlalchemy import Engine
+
+# For checks that refuse before any SQL is sent, where a second database
+# would only add minutes: the tests that do write run on PostgreSQL too.
+SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
+GOOD: dict[str, Any] = {
+    "format": "duebox/1", "id": str(uuid.uuid4()), "task": "effect", "queue": "default",
+    "version": 1, "attempt": 0, "due_at": "2030-01-01T09:00:00+00:00", "payload": None,
+    "headers": {},
+}
+
+
+def body(**changes: Any) -> bytes:
+    """GOOD with ``changes``; a value of ``...`` leaves the field out."""
+    data = {**GOOD, **changes}
+    return json.dumps({k: v for k, v in data.items() if v is not ...}).encode()
+
+
+def nothing_written(engine: Engine) -> None:
+    counts = duebox_row_counts(engine)
+    assert set(counts.values()) == {0}, counts
+
+
+def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every duebox table, to compare before and after a refusal."""
+    import duebox
+
+    with engine.connect() as conn:
+        return {t.name: sorted(tuple(map(repr, r)) for r in conn.execute(t.select()))
+                for t in duebox.metadata.sorted_tables}
