@@ -15,6 +15,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -76,6 +77,9 @@ class Delivery:
     message: JobMessage | None
     raw: Any = None
     claimed: Any = None
+    # When ``claimed`` was leased: a claim made ahead of the due time, or
+    # long before the handler starts, is re-read before it runs.
+    claimed_at: datetime | None = None
     redelivered: bool = False
     decode_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

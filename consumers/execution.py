@@ -183,9 +183,9 @@ class Execution:
             await self.task.fn(self.rec.payload, self.context(session))
             steps = self._finish_steps()
             try:
-                stmt = next(steps)
+                stmt, params = next(steps)
                 while True:
-                    stmt = steps.send(await session.execute(stmt))
+                    stmt, params = steps.send(await session.execute(stmt, params))
             except StopIteration as done:
                 outcome: Outcome = done.value
             if outcome.status == "duplicate":
@@ -195,9 +195,9 @@ class Execution:
     def _finish(self, execute: Any) -> Outcome:
         steps = self._finish_steps()
         try:
-            stmt = next(steps)
+            stmt, params = next(steps)
             while True:
-                stmt = steps.send(execute(stmt))
+                stmt, params = steps.send(execute(stmt, params))
         except StopIteration as done:
             outcome: Outcome = done.value
         if outcome.status == "duplicate":
@@ -205,19 +205,19 @@ class Execution:
             raise _Duplicate(outcome)
         return outcome
 
-    def _finish_steps(self) -> Generator[Any, Any, Outcome]:
+    def _finish_steps(self) -> Generator[tuple[Any, dict[str, Any]], Any, Outcome]:
         """After the handler, in its transaction: the dedupe row, then the
         fenced completion.  The dedupe row comes last so that on SQLite the
         write lock is taken at the handler's first write, not before it runs."""
         now = self.app.clock.now()
         dialect = self.app.engine.dialect.name
-        first = yield self.dedupe.claim_stmt(dialect, str(self.rec.id), now)
+        first = yield self.dedupe.claim_bound(dialect, str(self.rec.id), now)
         if first.rowcount != 1:
             return Outcome("duplicate")
-        done = yield jobstore.complete_stmt(self.rec, now)
+        done = yield jobstore.complete_bound(self.rec, now)
         if done.rowcount != 1:
             raise LeaseLostError(f"job {self.rec.id}: lease lost before completion")
-        yield jobstore.finish_attempt_stmt(self.rec, now, "succeeded")
+        yield jobstore.finish_attempt_bound(self.rec, now, "succeeded")
         return Outcome("succeeded")
 
     def _close_duplicate(self) -> Outcome:

@@ -29,11 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from duebox import jobstore
 from duebox.brokers.base import Broker, Delivery, open_broker
+from duebox.clock import Clock
 from duebox.db import db_errors
-from duebox.errors import DatabaseError, UnknownTaskError
+from duebox.errors import DatabaseError, ValidationError
 from duebox.failures import FailureClass, Verdict
 from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
+from duebox.message import check_stored_payload
 from duebox.metrics import Metrics, process_metrics, seconds
 from duebox.tasks import Task
 
@@ -103,6 +105,7 @@ class Worker:
         if not await open_broker(self.broker, stop):
             return
         self.pools = Pools.for_worker(self.concurrency)
+        await asyncio.to_thread(self.heartbeat.sync_clock_once)
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
         stopper = asyncio.create_task(stop.wait())
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")
@@ -168,16 +171,20 @@ class Worker:
             return
         clock = self.app.clock
         early = (msg.due_at - clock.now()).total_seconds()
-        if early > 0 and delivery.claimed is None:
-            if early > _EARLY_HOLD_SECONDS:
-                self.stats.deferred += 1
-                self.metrics.deferred.labels(self.backend).inc()
-                await self.broker.defer(delivery, early)
-                return
-            await asyncio.sleep(early)
+        if early > _EARLY_HOLD_SECONDS and delivery.claimed is None:
+            self.stats.deferred += 1
+            self.metrics.deferred.labels(self.backend).inc()
+            await self.broker.defer(delivery, early)
+            return
         rec = delivery.claimed
+        obtained = delivery.claimed_at
         if rec is None:
-            rec, reason = await self.pools.db(self._start, delivery)
+            obtained = clock.now()  # no later than the start itself
+            # A message a moment early (the relay publishes near-due jobs just
+            # ahead, to cover the hand-over) is started now, version-checked
+            # and leased, and its handler held below: the round trip is done
+            # by the due time instead of after it.
+            rec, reason = await self.pools.db(self._start, delivery, max(0.0, early))
             if rec is None:
                 if reason == "not_due":
                     self.stats.deferred += 1
@@ -187,12 +194,23 @@ class Worker:
                     self._discard(reason)
                     await self.broker.reject(delivery, reason)
                 return
+        await _hold_until(clock, rec.due_at)
+        # Leased before its due time (or long before now): a cancel or a
+        # takeover since then must still win (version-checked execution reads
+        # the job again right before running it).
+        if (obtained is not None and _must_reread(obtained, rec.due_at, clock.now())
+                and not await self.pools.db(self._still_leased, rec)):
+            self._discard("cancelled")
+            await self.broker.ack(delivery)
+            return
         started = clock.now()
         self._observe_start(rec, started)
         try:
             task = self.app.get_task(rec.task)
-        except UnknownTaskError as exc:
-            # Nothing here can run it: dead-letter it with the reason.
+            check_stored_payload(rec.payload)
+        except ValidationError as exc:
+            # Nothing here can run it (no such task, or a stored payload that
+            # is not JSON): dead-letter it with the reason.
             orphan = Task(name=rec.task, fn=_no_handler, queue=rec.queue)
             outcome = await self.pools.db(
                 Execution(self.app, orphan, rec, self.name, self.dedupe, self.pools).settle,
@@ -216,18 +234,24 @@ class Worker:
             self.stats.duplicates += 1
             self.metrics.duplicates.labels(self.backend, reason).inc()
 
-    def _start(self, delivery: Delivery) -> tuple[jobstore.JobRecord | None, str]:
+    def _start(self, delivery: Delivery, ahead: float) -> tuple[jobstore.JobRecord | None, str]:
         assert delivery.message is not None
         s = self.app.settings
         with db_errors("start"), self.app.engine.begin() as conn:
             now = self.app.clock.now()
             rec = jobstore.start(
                 conn, message=delivery.message, owner=f"{self.name}#{delivery.message.job_id}",
-                now=now, lease_until=now + timedelta(seconds=s.lease_seconds), worker=self.name,
+                now=now, lease_until=now + timedelta(seconds=s.lease_seconds + ahead),
+                worker=self.name, ahead=ahead,
             )
             if rec is not None:
                 return rec, "started"
-            return None, jobstore.why_not_started(conn, delivery.message, now)
+            return None, jobstore.why_not_started(
+                conn, delivery.message, now + timedelta(seconds=ahead))
+
+    def _still_leased(self, rec: jobstore.JobRecord) -> bool:
+        with db_errors("re-read"), self.app.engine.connect() as conn:
+            return jobstore.still_leased(conn, rec)
 
     def _expire(self, rec: jobstore.JobRecord) -> None:
         with self.app.engine.begin() as conn:
@@ -286,6 +310,22 @@ class Worker:
                 m.retried.labels(b, q).inc()
             elif outcome.status == "dead":
                 m.dead.labels(b, q, cls).inc()
+
+
+async def _hold_until(clock: Clock, due_at: datetime) -> None:
+    """Invariant 1: a handler never starts before its due time.  Started or
+    claimed a moment ahead, the job waits here, on the app's clock (a test's
+    fake clock moves when slept on), until that clock agrees it is due."""
+    while (wait := (due_at - clock.now()).total_seconds()) > 0:
+        await clock.sleep(wait)
+
+
+# A lease older than this when its handler starts is read again first.
+_REREAD_AFTER = timedelta(milliseconds=500)
+
+
+def _must_reread(obtained: datetime, due_at: datetime, now: datetime) -> bool:
+    return obtained < due_at or now - obtained > _REREAD_AFTER
 
 
 def _no_handler(payload: Any, ctx: Any) -> None:  # pragma: no cover - never called

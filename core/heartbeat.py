@@ -23,6 +23,9 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, or_, select, update
 
+from .clock import sync_clock
+from .db import db_errors
+from .errors import DatabaseError
 from .tables import lease
 
 log = logging.getLogger("duebox.heartbeat")
@@ -115,8 +118,22 @@ class ProcessHeartbeat:
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started_at": self.started_at.isoformat(), **self.info()}
         with self.engine.begin() as conn:
+            # Each beat also re-reads the database's clock, which every
+            # due-time decision of this process follows (never early even
+            # when this machine's clock runs ahead).
+            sync_clock(self.clock, conn)
             beat(conn, name=self.name, now=self.clock.now(), ttl=self.ttl, info=info)
         self.beats += 1
+
+    def sync_clock_once(self) -> None:
+        """Read the database's clock now, before the first due-time decision
+        (the first beat may come later); a database that cannot be reached
+        leaves the local clock in use until a beat gets through."""
+        try:
+            with db_errors("reading the database's clock"), self.engine.connect() as conn:
+                sync_clock(self.clock, conn)
+        except DatabaseError as exc:
+            log.warning("cannot read the database's clock yet: %s", exc)
 
     def remove_once(self) -> None:
         with self.engine.begin() as conn:
