@@ -63,6 +63,9 @@ class Task:
     validate: Callable[[Any], None] | None = None
     # Seconds after due_at past which a job is EXPIRED by the relay, never run.
     max_lateness: float | None = None
+    # Hides secrets from people looking at jobs (the dashboard): returns the
+    # payload as it may be shown.  Never used when running the job.
+    mask: Callable[[Any], Any] | None = None
 
     @property
     def is_async(self) -> bool:

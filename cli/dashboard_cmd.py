@@ -1,0 +1,76 @@
+"""``duebox dashboard``: serve the web dashboard (docs/dashboard.md).
+
+Registered on the ``duebox`` group by one import at the end of cli/main.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import click
+
+from duebox import migrate
+
+from .loading import load_app
+from .main import _redact as redact
+from .main import app_options, cli
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@cli.command()
+@app_options
+@click.option("--host", envvar="DUEBOX_DASHBOARD_HOST", default="127.0.0.1",
+              help="Address to listen on. [env DUEBOX_DASHBOARD_HOST]")
+@click.option("--port", envvar="DUEBOX_DASHBOARD_PORT", type=click.IntRange(0, 65535),
+              default=8377, help="Port (0: any free one). [env DUEBOX_DASHBOARD_PORT]")
+@click.option("--token", envvar="DUEBOX_DASHBOARD_TOKEN", default=None, show_default=False,
+              help="Operator token that allows replay, purge, pause and resume; without one "
+                   "the dashboard is read-only.  Prefer the environment variable (a command "
+                   "line is visible to other users). [env DUEBOX_DASHBOARD_TOKEN]")
+@click.option("--refresh", envvar="DUEBOX_DASHBOARD_REFRESH", type=click.FloatRange(0.5, 600),
+              default=2.0, help="Seconds between auto-refreshes of the live pages. "
+                                "[env DUEBOX_DASHBOARD_REFRESH]")
+@click.option("--show-unregistered-payloads", is_flag=True,
+              envvar="DUEBOX_DASHBOARD_SHOW_UNREGISTERED_PAYLOADS",
+              help="Show payloads of tasks the app does not register (their mask hooks are "
+                   "unknown, so they are hidden by default).")
+def dashboard(app_spec: str | None, database_url: str | None, broker_url: str | None,
+              host: str, port: int, token: str | None, refresh: float,
+              show_unregistered_payloads: bool) -> None:
+    """Serve the web dashboard: overview, jobs, schedules, DLQ, relays and workers."""
+    from duebox.dashboard import DashboardServer
+
+    app = load_app(app_spec, database_url, broker_url)
+    current = migrate.current_revision(app.engine)
+    if current is None:
+        raise click.ClickException(
+            f"no duebox tables in {redact(app.settings.database_url)}: run `duebox db upgrade` "
+            "(or `duebox demo`), or give --database-url / DUEBOX_DATABASE_URL")
+    if current != migrate.head_revision():
+        click.echo(f"warning: the database is at revision {current}, this duebox expects "
+                   f"{migrate.head_revision()}: run `duebox db upgrade`", err=True)
+    if not _loopback(host) and token is None:
+        click.echo(f"warning: serving on {host} without a token: anyone who can reach it "
+                   "can read job payloads that no mask hook hides", err=True)
+    try:
+        server = DashboardServer(app, host=host, port=port, token=token or None,
+                                 refresh=refresh,
+                                 show_unregistered_payloads=show_unregistered_payloads)
+    except OSError as exc:
+        raise click.ClickException(f"--port: cannot listen on {host}:{port}: {exc}") from exc
+    mode = "read-only" if token is None else "actions allowed with the token"
+    click.echo(f"duebox dashboard on {server.url} ({mode}); Ctrl-C stops it", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

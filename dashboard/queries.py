@@ -1,0 +1,251 @@
+"""The dashboard's reads that ``duebox status`` / ``jobs`` / ``dlq`` do not
+already have (those are reused as they are).
+
+Every query is bounded (a LIMIT, or a count over a capped subquery) and runs
+on an index: job search walks the ``(state, due_at)`` index once per state
+(keyset pages, merged), so it never sorts the whole table; a key or an id is
+a unique-index lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, or_, select
+
+from duebox.cli.status_view import _lateness_sample
+from duebox.errors import ValidationError
+from duebox.heartbeat import ROLES
+from duebox.ids import parse_job_id
+from duebox.metrics import IN_FLIGHT_STATES
+from duebox.schedules import ScheduleInfo
+from duebox.states import JobState
+from duebox.tables import audit, job, lease, schedule
+
+SEARCH_COLUMNS = (job.c.id, job.c.task, job.c.queue, job.c.tenant, job.c.state, job.c.due_at,
+                  job.c.attempt, job.c.version, job.c.key, job.c.error_class)
+PAGE_MAX = 200
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    """What the job search page asks for; :func:`parse_filter` builds it."""
+
+    text: str = ""  # a job id or a business key
+    queue: str | None = None
+    state: JobState | None = None
+    due_from: datetime | None = None
+    due_to: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the next page starts (exclusive): jobs are listed by due time,
+    newest first, then id."""
+
+    due_at: datetime
+    id: uuid.UUID
+
+    def encode(self) -> str:
+        return f"{self.due_at.isoformat()}_{self.id}"
+
+    @classmethod
+    def decode(cls, text: str) -> Cursor:
+        due, _, ident = text.partition("_")
+        try:
+            return cls(_instant("after", due), uuid.UUID(ident))
+        except ValueError:
+            raise ValidationError("after", "must be a page cursor from this page", text) from None
+
+
+def _instant(field: str, text: str) -> datetime:
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValidationError(field, "must be an ISO 8601 time, e.g. 2026-03-29T02:30",
+                              text) from None
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def parse_filter(args: dict[str, str]) -> JobFilter:
+    """The search form's fields, checked; a bad one raises ValidationError
+    naming it."""
+    state = (args.get("state") or "").strip().upper() or None
+    if state is not None and state not in JobState.__members__:
+        raise ValidationError("state", f"must be one of {', '.join(JobState)}", state)
+    due_from = (args.get("from") or "").strip()
+    due_to = (args.get("to") or "").strip()
+    return JobFilter(
+        text=(args.get("q") or "").strip()[:400],
+        queue=(args.get("queue") or "").strip() or None,
+        state=JobState(state) if state else None,
+        due_from=_instant("from", due_from) if due_from else None,
+        due_to=_instant("to", due_to) if due_to else None,
+    )
+
+
+@dataclass
+class JobPage:
+    rows: list[Any]
+    next: Cursor | None
+
+
+def _conditions(f: JobFilter) -> list[Any]:
+    conds = []
+    if f.queue:
+        conds.append(job.c.queue == f.queue)
+    if f.due_from:
+        conds.append(job.c.due_at >= f.due_from)
+    if f.due_to:
+        conds.append(job.c.due_at < f.due_to)
+    return conds
+
+
+def search_jobs(conn: Connection, f: JobFilter, *, limit: int = 50,
+                after: Cursor | None = None) -> JobPage:
+    """One page of jobs matching ``f``, newest due first."""
+    limit = max(1, min(limit, PAGE_MAX))
+    conds = _conditions(f)
+    if f.state:
+        conds.append(job.c.state == f.state)
+    if f.text:
+        # An id (primary key) or a business key (unique index): at most two rows.
+        by = [job.c.key == f.text]
+        with contextlib.suppress(ValidationError):  # not an id: the key alone
+            by.append(job.c.id == parse_job_id(f.text, "q"))
+        rows = conn.execute(select(*SEARCH_COLUMNS).where(or_(*by), *conds)).all()
+        return JobPage(list(rows), None)
+    if after is not None:
+        conds.append(or_(job.c.due_at < after.due_at,
+                         and_(job.c.due_at == after.due_at, job.c.id < after.id)))
+    states = [f.state] if f.state else list(JobState)
+    runs = []
+    for state in states:
+        stmt = (select(*SEARCH_COLUMNS).where(job.c.state == state, *conds)
+                .order_by(job.c.due_at.desc(), job.c.id.desc()).limit(limit + 1))
+        runs.append(conn.execute(stmt).all())
+    merged = list(heapq.merge(*runs, key=lambda r: (r.due_at, r.id), reverse=True))
+    rows = merged[:limit]
+    more = len(merged) > limit
+    return JobPage(rows, Cursor(rows[-1].due_at, rows[-1].id) if more and rows else None)
+
+
+# --- charts ---------------------------------------------------------------------------
+
+
+@dataclass
+class LatenessBucket:
+    start: datetime
+    count: int
+    p50: float | None
+    p99: float | None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[max(0, math.ceil(q * len(values)) - 1)]
+
+
+def lateness_buckets(conn: Connection, now: datetime, *, span: float = 3600.0,
+                     buckets: int = 12) -> list[LatenessBucket]:
+    """Start lateness (start - due) of jobs started in the last ``span``
+    seconds, in ``buckets`` equal slices by start time: the same capped
+    sample ``duebox status`` takes."""
+    width = span / buckets
+    first = now - timedelta(seconds=span)
+    slices: list[list[float]] = [[] for _ in range(buckets)]
+    for _queue, _tenant, due_at, started_at in _lateness_sample(conn, now, span):
+        i = int((started_at - first).total_seconds() // width)
+        if 0 <= i < buckets:
+            slices[i].append((started_at - due_at).total_seconds())
+    out = []
+    for i, values in enumerate(slices):
+        values.sort()
+        out.append(LatenessBucket(first + timedelta(seconds=i * width), len(values),
+                                  _percentile(values, 0.50), _percentile(values, 0.99)))
+    return out
+
+
+@dataclass
+class DueBucket:
+    start: datetime
+    count: int
+    capped: bool
+
+
+def due_ahead(conn: Connection, now: datetime, *, horizon: float = 6 * 3600.0,
+              buckets: int = 24, cap: int = 10_000) -> list[DueBucket]:
+    """SCHEDULED jobs due in each slice of the next ``horizon`` seconds: one
+    capped range count on the ``(state, due_at)`` index per slice."""
+    width = horizon / buckets
+    out = []
+    for i in range(buckets):
+        lo = now + timedelta(seconds=i * width)
+        hi = lo + timedelta(seconds=width)
+        ids = (select(job.c.id).where(job.c.state == JobState.SCHEDULED, job.c.due_at >= lo,
+                                      job.c.due_at < hi).limit(cap).subquery())
+        n = int(conn.execute(select(func.count()).select_from(ids)).scalar_one())
+        out.append(DueBucket(lo, n, n >= cap))
+    return out
+
+
+# --- processes and leases -------------------------------------------------------------
+
+
+def named_leases(conn: Connection, limit: int = 200) -> list[Any]:
+    """Leases other than the process registry (schedule generation, shard
+    ownership ...), by name: a primary-key range."""
+    ours = [lease.c.name.like(f"{role}:%") for role in ROLES]
+    return list(conn.execute(
+        select(lease.c.name, lease.c.owner, lease.c.epoch, lease.c.expires_at, lease.c.info)
+        .where(~or_(*ours)).order_by(lease.c.name).limit(limit)).all())
+
+
+def in_flight_by_owner(conn: Connection, cap: int = 10_000) -> dict[str, dict[str, int]]:
+    """Leased jobs per lease owner (relay or worker) and state, capped."""
+    flying = (select(job.c.lease_owner, job.c.state)
+              .where(job.c.state.in_(list(IN_FLIGHT_STATES))).limit(cap).subquery())
+    out: dict[str, dict[str, int]] = {}
+    for owner, state, n in conn.execute(
+            select(flying.c.lease_owner, flying.c.state, func.count())
+            .group_by(flying.c.lease_owner, flying.c.state)).all():
+        # A worker leases each job as "<worker>#<job id>": count per process.
+        name = (owner or "").split("#", 1)[0]
+        held = out.setdefault(name, {})
+        held[str(state)] = held.get(str(state), 0) + int(n)
+    return out
+
+
+# --- schedules ------------------------------------------------------------------------
+
+
+def schedules_page(conn: Connection, *, after: str | None = None,
+                   limit: int = 50) -> tuple[list[ScheduleInfo], str | None]:
+    """A page of schedules by name (the unique name index), and the name the
+    next page starts after."""
+    stmt = select(schedule).order_by(schedule.c.name).limit(limit + 1)
+    if after:
+        stmt = stmt.where(schedule.c.name > after)
+    rows = [ScheduleInfo.from_row(r) for r in conn.execute(stmt).all()]
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, rows[-1].name if more and rows else None
+
+
+def schedule_audit(conn: Connection, schedule_id: uuid.UUID, limit: int = 20) -> list[Any]:
+    """The latest pause/resume audit rows of one schedule.  Schedule rows
+    carry no job id: this reads the newest ``limit * 10`` job-less rows (the
+    ``job_id`` index) and keeps this schedule's."""
+    rows = conn.execute(
+        select(audit.c.at, audit.c.action, audit.c.operator, audit.c.reason, audit.c.details)
+        .where(audit.c.job_id.is_(None), audit.c.action.like("schedule_%"))
+        .order_by(audit.c.at.desc()).limit(limit * 10)).all()
+    sid = str(schedule_id)
+    return [r for r in rows if (r.details or {}).get("schedule_id") == sid][:limit]

@@ -1,0 +1,112 @@
+"""Job search and the job page: timeline, where it is now, versions, audit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from duebox.cli.inspect_jobs import load_job, timeline, where_now
+from duebox.ids import parse_job_id
+from duebox.states import JobState
+
+from .context import Dashboard
+from .queries import Cursor, parse_filter, search_jobs
+from .render import badge, compact_json, esc, link, page, pre_json, seconds, table, ts
+from .web import REF, Request, Response, redirect, route
+
+# Audit actions that move a job's version on (cancel, reschedule, replay).
+_VERSIONING = ("cancel", "reschedule", "replay")
+
+
+def _search_form(request: Request) -> str:
+    def field(name: str, label: str, placeholder: str = "") -> str:
+        return (f'<label>{esc(label)} <input name={name} value="{esc(request.query.get(name, ""))}"'
+                f' placeholder="{esc(placeholder)}"></label>')
+
+    chosen = request.query.get("state", "").upper()
+    options = '<option value="">any</option>' + "".join(
+        f'<option{" selected" if s == chosen else ""}>{esc(s)}</option>' for s in JobState)
+    return ('<form method=get action="/jobs" class=search>'
+            + field("q", "Id or key", "job id or business key") + field("queue", "Queue")
+            + f"<label>State <select name=state>{options}</select></label>"
+            + field("from", "Due from (UTC)", "2026-01-31T09:00")
+            + field("to", "Due before", "2026-02-01") + "<button>Search</button></form>")
+
+
+@route("GET", r"/jobs")
+def jobs(d: Dashboard, request: Request) -> Response:
+    f = parse_filter(request.query)
+    after = Cursor.decode(request.query["after"]) if request.query.get("after") else None
+    with d.read("dashboard jobs") as conn:
+        result = search_jobs(conn, f, limit=d.page_size, after=after)
+    if f.text and len(result.rows) == 1 and not request.partial:
+        return redirect(f"/jobs/{result.rows[0].id}")
+    rows = [[link(f"/jobs/{r.id}", str(r.id)[:13] + "…"), esc(r.task), esc(r.queue),
+             esc(r.tenant or ""), badge(r.state), ts(r.due_at), esc(r.attempt), esc(r.version),
+             esc(r.key or ""), esc(r.error_class or "")] for r in result.rows]
+    listing = table(["id", "task", "queue", "tenant", "state", "due (UTC)", "att", "ver", "key",
+                     "error"], rows, empty="no job matches")
+    if result.next is not None:
+        params = {k: v for k, v in request.query.items() if k != "after"}
+        listing += f"<p>{link('/jobs', 'next page →', **params, after=result.next.encode())}</p>"
+    return Response(body=page("Jobs", listing, _search_form(request), active="/jobs"))
+
+
+def _attempts(attempts: list[Any]) -> str:
+    return table(["#", "outcome", "worker", "started", "finished", "took", "error class",
+                  "error"],
+                 [[esc(a.number), esc(a.outcome or "running"), esc(a.worker or ""),
+                   ts(a.started_at), ts(a.finished_at),
+                   seconds((a.finished_at - a.started_at).total_seconds())
+                   if a.finished_at else "-",
+                   esc(a.error_class or ""), f"<code>{esc((a.error or '')[:300])}</code>"]
+                  for a in attempts], empty="no attempts yet")
+
+
+def _versions(row: Any, audits: list[Any]) -> str:
+    """Version 1 is the job as scheduled; each cancel, reschedule or replay
+    moved it on (the audit rows say which; a reschedule by the API writes
+    none, so the list may be shorter than the version number)."""
+    items = [f"<li>v1 scheduled {ts(row.created_at)}</li>"]
+    items += [f"<li>{esc(a.action)} {ts(a.at)} by {esc(a.operator)}</li>"
+              for a in audits if a.action in _VERSIONING]
+    return f"<p>now version <b>{esc(row.version)}</b></p><ol class=versions>{''.join(items)}</ol>"
+
+
+@route("GET", rf"/jobs/{REF}")
+def job(d: Dashboard, request: Request, job_id: str) -> Response:
+    jid = parse_job_id(job_id, "job id")
+    detail = load_job(d.app.engine, jid)
+    row, now = detail.row, d.now()
+    events = table(["event", "at (UTC)", "vs due"],
+                   [[esc(name), ts(at), "" if name in ("created", "due")
+                     else seconds((at - row.due_at).total_seconds())]
+                    for name, at in timeline(row)])
+    facts = table(["task", "queue", "tenant", "state", "attempt", "version", "key", "priority"],
+                  [[esc(row.task), link("/jobs", row.queue, queue=row.queue),
+                    esc(row.tenant or ""), badge(row.state),
+                    f"{row.attempt}/{row.max_attempts}", esc(row.version), esc(row.key or ""),
+                    esc(row.priority)]])
+    audit_rows = table(["at (UTC)", "action", "operator", "reason", "details"],
+                       [[ts(a.at), esc(a.action), esc(a.operator), esc(a.reason),
+                         f"<code>{compact_json(a.details)}</code>"] for a in detail.audits],
+                       empty="no audit rows", cls="audit")
+    error = (f'<h2>Last error</h2><p><b>{esc(row.error_class)}</b></p>'
+             f"<pre>{esc(row.last_error)}</pre>" if row.last_error else "")
+    live = (f"{facts}<p class=where><b>Where it is now:</b> "
+            f"{esc(where_now(row, d.scheme, now))}</p>"
+            f"<h2>Timeline</h2>{events}<h2>Attempts</h2>{_attempts(detail.attempts)}{error}"
+            f"<h2>Versions</h2>{_versions(row, detail.audits)}<h2>Audit</h2>{audit_rows}")
+    if request.partial:
+        return Response(body=live)
+    shown, note = d.mask(row.task, row.payload)
+    rest = f"<h2>Payload</h2>{f'<p class=muted>{esc(note)}</p>' if note else ''}"
+    rest += pre_json(shown) if shown is not None or not note else ""
+    if row.state == JobState.DEAD:
+        rest += ("<h2>Dead letter</h2>"
+                 + d.action_form(request, f"/jobs/{row.id}/replay", "Replay")
+                 + d.action_form(request, f"/jobs/{row.id}/purge", "Purge", danger=True))
+    final = row.state in (JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED,
+                          JobState.EXPIRED)
+    return Response(body=page(f"Job {row.id}", live, rest, active="/jobs",
+                              refresh=None if final else d.refresh,
+                              banner=d.take_flash(request)))
