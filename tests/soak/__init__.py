@@ -1,0 +1,1 @@
+"""The chaos soak harness (docs/soak.md): ``python -m tests.soak --help``."""
