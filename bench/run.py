@@ -1,29 +1,36 @@
-"""Run every duebox benchmark and write bench/RESULTS.md.
+"""Run duebox's benchmarks and write their sections of bench/RESULTS.md.
 
-    python bench/run.py                 # everything, 3 trials each (~6-8 minutes)
-    python bench/run.py --quick         # smaller N, 1 trial: a smoke test of the harness
-    python bench/run.py --only relay,lateness --repeats 5
-    python bench/run.py --no-pg         # SQLite only
+    python bench/run.py                          # every backend, 1 trial each (~6 min quiet)
+    python bench/run.py --backend sql            # sql:// only, 3 trials per measurement
+    python bench/run.py --backend redis,kafka --repeats 3
+    python bench/run.py --backend all --quick    # small N: a smoke test of the harness (~3 min)
+    python bench/run.py --backend kafka --profile  # + a py-spy profile of the relay
+    python bench/run.py --backend sql --only relay,lateness --no-pg
+
+Backends: ``sql`` (the database as the queue: relay to ``memory://``, the
+``sql://`` worker, lateness; PostgreSQL and SQLite) and the brokers
+``redis``, ``amqp``, ``sqs``, ``kafka`` (relay throughput against a raw
+client baseline, lateness with a worker process; see bench/README.md).
+Each backend rewrites only its own section of RESULTS.md.
 
 PostgreSQL: ``--pg-url`` (or ``DUEBOX_BENCH_PG``) names a server database to
 connect to for CREATE/DROP DATABASE, by default
 ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``.  The run creates
 its own ``duebox_bench_<random>`` database and drops it at the end.
 
-Each trial runs in a fresh process (``bench/trials.py``) so no pool, cache or
-thread of one trial leaks into the next.  Figures are the median of the
-trials and the range (min-max).
+Each trial runs in a fresh process (``bench/trials.py``,
+``bench/backends_trials.py``) so no pool, cache or thread of one trial leaks
+into the next.  Figures are the median of the trials and the range (min-max).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import os
-import platform
 import shlex
+import signal
 import sqlite3
 import statistics
 import subprocess
@@ -32,12 +39,24 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from backends_report import (
+    LABEL,
+    Measurement,
+    machine_info,
+    machine_table,
+    med_range,
+    verdict,
+    write_sections,
+)
+from backends_run import BROKER_FULL, BROKER_QUICK, cpu_busy, run_backend, run_trial, wait_quiet
+
 HERE = Path(__file__).resolve().parent
 TRIALS = HERE / "trials.py"
+BACKENDS = ("sql", "redis", "amqp", "sqs", "kafka")
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 RELAY_TARGET = 10_000.0  # jobs/s on PostgreSQL
@@ -70,14 +89,6 @@ QUICK = Plan(
 )
 
 
-@dataclass
-class Measurement:
-    name: str
-    db: str
-    trials: list[dict[str, Any]] = field(default_factory=list)
-    error: str | None = None
-
-
 # --- databases -------------------------------------------------------------------
 
 
@@ -97,61 +108,7 @@ def pg_database(admin_url: str) -> Iterator[str]:
         admin.dispose()
 
 
-def pg_version(url: str) -> str:
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            version = str(conn.execute(text("SHOW server_version")).scalar())
-            settings = dict(conn.execute(text(
-                "SELECT name, setting FROM pg_settings WHERE name IN "
-                "('shared_buffers', 'synchronous_commit', 'fsync')")).all())
-    finally:
-        engine.dispose()
-    buffers = int(settings.get("shared_buffers", 0)) * 8 // 1024
-    return (f"{version} (shared_buffers {buffers} MB, fsync {settings.get('fsync')}, "
-            f"synchronous_commit {settings.get('synchronous_commit')})")
-
-
 # --- running trials ---------------------------------------------------------------
-
-
-def run_trial(args: list[str], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(TRIALS), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"{shlex.join(args[:1])} failed ({proc.returncode}):\n{tail}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
-
-
-def cpu_busy(seconds: float = 1.0) -> float:
-    """Share of all CPUs busy (any process) over ``seconds``: background noise."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            parts = [int(x) for x in f.readline().split()[1:]]
-        idle = parts[3] + parts[4]
-        return sum(parts), idle
-
-    try:
-        t1, i1 = sample()
-        time.sleep(seconds)
-        t2, i2 = sample()
-    except OSError:
-        return float("nan")
-    return 1.0 - (i2 - i1) / max(1, t2 - t1)
-
-
-def wait_quiet(limit: float, threshold: float = 0.35) -> float:
-    """On a shared machine: wait up to ``limit`` seconds for other processes to
-    leave the CPUs mostly idle; returns the last busy share seen."""
-    deadline = time.monotonic() + limit
-    busy = cpu_busy(0.5)
-    while busy > threshold and time.monotonic() < deadline:
-        busy = cpu_busy(2.0)
-    return busy
 
 
 QUIET_WAIT = 0.0  # set from --wait-quiet
@@ -163,7 +120,7 @@ def measure(m: Measurement, repeats: int, make_args: Callable[[int], list[str]],
         busy = wait_quiet(QUIET_WAIT) if QUIET_WAIT > 0 else cpu_busy(0.5)
         started = time.monotonic()
         try:
-            result = run_trial(make_args(i), timeout)
+            result = run_trial(TRIALS, make_args(i), timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             m.error = str(exc)
             print(f"  {m.name} [{m.db}] trial {i + 1}: FAILED\n{exc}", flush=True)
@@ -191,74 +148,25 @@ def summary(name: str, r: dict[str, Any]) -> str:
 # --- the report ------------------------------------------------------------------
 
 
-def med_range(values: list[float], fmt: str = "{:,.0f}") -> str:
-    if not values:
-        return "—"
-    med = statistics.median(values)
-    if len(values) == 1:
-        return fmt.format(med)
-    return f"{fmt.format(med)} ({fmt.format(min(values))}–{fmt.format(max(values))})"
-
-
-def verdict(ok: bool | None) -> str:
-    return {True: "met", False: "**missed**", None: "—"}[ok]
-
-
-def machine_info(pg_url: str | None) -> list[tuple[str, str]]:
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = ""
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        kb = int(f.readline().split()[1])
-        mem = f"{kb / 1024 / 1024:.0f} GiB"
-    import sqlalchemy
-
-    rows = [
-        ("date", dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")),
-        ("CPUs (nproc)", str(os.cpu_count())),
-        ("CPU model", cpu),
-        ("memory", mem),
-        ("Python", platform.python_version()),
-        ("SQLite", sqlite3.sqlite_version),
-        ("SQLAlchemy", sqlalchemy.__version__),
-    ]
-    with contextlib.suppress(ImportError):
-        import psycopg
-
-        rows.append(("psycopg", psycopg.__version__))
-    if pg_url:
-        rows.append(("PostgreSQL", pg_version(pg_url)))
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        rev = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        rows.append(("git", rev + (" + uncommitted changes" if dirty else "")))
-    return rows
-
-
 DB_LABEL = {"postgresql": "PostgreSQL", "sqlite": "SQLite"}
 
 
-def report(results: list[Measurement], plan: Plan, command: str,
-           machine: list[tuple[str, str]], elapsed: float) -> str:
-    out = ["# duebox benchmark results", "",
+def sql_section(results: list[Measurement], plan: Plan, command: str,
+                machine: list[tuple[str, str]], elapsed: float) -> str:
+    """The ``sql`` section of RESULTS.md."""
+    out = [f"## {LABEL['sql']}", "",
            f"Generated by `{command}` in {elapsed / 60:.1f} min. "
            f"Each figure is the median of {plan.repeats} trial(s), each in a fresh "
            "process, with the range (min–max) in brackets.  See `bench/README.md` for "
-           "what each trial does.", "", "## Machine", "", "| | |", "| --- | --- |"]
-    out += [f"| {k} | {v} |" for k, v in machine]
+           "what each trial does.", "", "### Machine", "",
+           *machine_table([*machine, ("SQLite", sqlite3.sqlite_version)])]
     busy = [t["background_cpu"] for m in results for t in m.trials]
     if busy:
         out += ["", f"CPU busy just before each trial (other processes on the machine): "
                 f"median {statistics.median(busy):.0%}, max {max(busy):.0%}."]
 
     by = {(m.name, m.db): m for m in results}
-    out += ["", "## Relay throughput (claim → publish to `memory://` → fenced mark)", "",
+    out += ["", "### Relay throughput (claim → publish to `memory://` → fenced mark)", "",
             "Batches of 500; N jobs already due; `Relay.run_pass()` until all are ENQUEUED. "
             "Raw = the same claim + mark SQL hand-written on the bare driver (psycopg / "
             "sqlite3), on a freshly reloaded table, in the same process.", "",
@@ -279,7 +187,7 @@ def report(results: list[Measurement], plan: Plan, command: str,
         out.append(f"| {DB_LABEL[db]} | {plan.relay_n[db]:,} | {med_range(relay)} | "
                    f"{med_range(raw)} | {med_range(ratio, '{:.2f}')} | {target} |")
 
-    out += ["", "## Worker throughput (no-op handler, `Worker(app, concurrency=8)`)", "",
+    out += ["", "### Worker throughput (no-op handler, `Worker(app, concurrency=8)`)", "",
             "`sql://`: N due jobs, workers claim rows directly (no relay). "
             "`memory://`: relay + in-process broker + worker in one process. "
             "Jobs/s from start until every job is SUCCEEDED; each job is its own "
@@ -308,7 +216,7 @@ def report(results: list[Measurement], plan: Plan, command: str,
                        f"{med_range(ratio, '{:.2f}') if ratio else '—'} | {cpu} | "
                        f"{med_range(raw_cpu, '{:.2f}') if raw_cpu else '—'} |")
 
-    out += ["", "## Lateness on `sql://`", "",
+    out += ["", "### Lateness on `sql://`", "",
             "A producer process schedules the next 0.1 s worth of jobs every 0.1 s, due 2 s "
             "ahead and evenly spaced; relay + worker (concurrency 8) run in another process. "
             "Lateness = handler start − due_at.  The target applies at "
@@ -353,60 +261,31 @@ def report(results: list[Measurement], plan: Plan, command: str,
 
     failures = [m for m in results if m.error]
     if failures:
-        out += ["", "## Failures", ""]
+        out += ["", "### Failures", ""]
         for m in failures:
-            out += [f"- {m.name} [{m.db}]:", "", "```", m.error, "```"]
-    out += ["", "## Raw trial data", "", "```json"]
+            out += [f"- {m.name} [{m.db}]:", "", "```", m.error or "", "```"]
+    out += ["", "<details><summary>raw trial data</summary>", "", "```json"]
     out += [json.dumps({"name": m.name, "db": m.db, "trials": m.trials}) for m in results]
-    out += ["```", ""]
+    out += ["```", "", "</details>"]
     return "\n".join(out)
 
 
 # --- main ------------------------------------------------------------------------
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small N, 1 trial")
-    ap.add_argument("--repeats", type=int, help="trials per measurement (default 3)")
-    ap.add_argument("--only", default="relay,worker,pipeline,lateness,lateness-low",
-                    help="comma-separated subset of relay,worker,pipeline,lateness,"
-                         "lateness-low")
-    ap.add_argument("--db", default="postgresql,sqlite", help="postgresql,sqlite")
-    ap.add_argument("--no-pg", action="store_true", help="skip PostgreSQL")
-    ap.add_argument("--pg-url", default=os.environ.get("DUEBOX_BENCH_PG", DEFAULT_PG))
-    ap.add_argument("--output", default=str(HERE / "RESULTS.md"))
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                    help="before each trial, wait up to SECONDS for the machine's CPUs "
-                         "to be mostly idle (for shared machines)")
-    opts = ap.parse_args()
-    global QUIET_WAIT
-    QUIET_WAIT = opts.wait_quiet
-
-    plan = QUICK if opts.quick else FULL
-    if opts.repeats:
-        plan.repeats = opts.repeats
-    only = [x.strip() for x in opts.only.split(",") if x.strip()]
-    dbs = [x.strip() for x in opts.db.split(",") if x.strip()]
-    if opts.no_pg and "postgresql" in dbs:
-        dbs.remove("postgresql")
-    command = "python " + " ".join(
-        [str(Path(sys.argv[0]).as_posix())] + [shlex.quote(a) for a in sys.argv[1:]])
-
+def run_sql(opts: argparse.Namespace, plan: Plan, pg_url: str | None, command: str,
+            machine: list[tuple[str, str]]) -> tuple[str, bool]:
+    """The sql:// measurements; returns the section and whether any failed."""
     started = time.monotonic()
+    only = [x.strip() for x in opts.only.split(",") if x.strip()]
+    urls: dict[str, str] = {}
+    dbs = [x.strip() for x in opts.db.split(",") if x.strip()]
     results: list[Measurement] = []
-    with contextlib.ExitStack() as stack:
-        urls: dict[str, str] = {}
-        if "postgresql" in dbs:
-            urls["postgresql"] = stack.enter_context(pg_database(opts.pg_url))
+    with tempfile.TemporaryDirectory(prefix="duebox_bench_") as tmp:
+        if "postgresql" in dbs and pg_url:
+            urls["postgresql"] = pg_url
         if "sqlite" in dbs:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="duebox_bench_"))
             urls["sqlite"] = f"sqlite:///{tmp}/bench.db"
-        machine = machine_info(urls.get("postgresql"))
-        for key, value in machine:
-            print(f"{key}: {value}")
-
         for name in only:
             for db, url in urls.items():
                 m = Measurement(name, db)
@@ -427,12 +306,77 @@ def main() -> int:
                         "lateness", url, str(rate), str(secs)], secs + 120)
                 else:
                     raise SystemExit(f"unknown measurement {name!r}")
+    section = sql_section(results, plan, command, machine, time.monotonic() - started)
+    return section, any(m.error for m in results)
 
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="all",
+                    help=f"comma-separated subset of {','.join(BACKENDS)}, or all (default)")
+    ap.add_argument("--quick", action="store_true", help="small N, 1 trial")
+    ap.add_argument("--repeats", type=int,
+                    help="trials per measurement (default 3 for one backend, 1 for several)")
+    ap.add_argument("--profile", action="store_true",
+                    help="broker backends: one more relay trial under py-spy, summarised")
+    ap.add_argument("--only", default="relay,worker,pipeline,lateness,lateness-low",
+                    help="sql: comma-separated subset of relay,worker,pipeline,lateness,"
+                         "lateness-low")
+    ap.add_argument("--db", default="postgresql,sqlite", help="sql: postgresql,sqlite")
+    ap.add_argument("--no-pg", action="store_true",
+                    help="sql: skip PostgreSQL (broker backends always use it)")
+    ap.add_argument("--pg-url", default=os.environ.get("DUEBOX_BENCH_PG", DEFAULT_PG))
+    ap.add_argument("--output", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="before each trial, wait up to SECONDS for the machine's CPUs "
+                         "to be mostly idle (for shared machines)")
+    opts = ap.parse_args()
+    # Stopped by a signal (even when started in the background, where SIGINT is
+    # ignored), the run still drops its database, vhost, queues and services.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    global QUIET_WAIT
+    QUIET_WAIT = opts.wait_quiet
+    backends = list(BACKENDS) if opts.backend == "all" else [
+        x.strip() for x in opts.backend.split(",") if x.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        ap.error(f"--backend: {', '.join(unknown) or '(none)'} is not one of "
+                 f"{', '.join(BACKENDS)} or all")
+    repeats = opts.repeats or (3 if len(backends) == 1 else 1)
+    if repeats < 1:
+        ap.error("--repeats must be at least 1")
+    plan = QUICK if opts.quick else FULL
+    broker_plan = BROKER_QUICK if opts.quick else BROKER_FULL
+    if opts.repeats or not opts.quick:
+        plan.repeats = broker_plan.repeats = repeats
+    brokers = [b for b in backends if b != "sql"]
+    use_pg = bool(brokers) or not opts.no_pg
+    command = "python " + " ".join(
+        [str(Path(sys.argv[0]).as_posix())] + [shlex.quote(a) for a in sys.argv[1:]])
+
+    started = time.monotonic()
+    failed = False
+    output = Path(opts.output)
+    with contextlib.ExitStack() as stack:
+        pg_url = stack.enter_context(pg_database(opts.pg_url)) if use_pg else None
+        machine = machine_info(pg_url)
+        for key, value in machine:
+            print(f"{key}: {value}")
+        if "sql" in backends:
+            section, bad = run_sql(opts, plan, None if opts.no_pg else pg_url, command, machine)
+            write_sections(output, {"sql": section})  # written as soon as measured
+            failed |= bad
+        for backend in brokers:
+            assert pg_url is not None
+            section = run_backend(backend, pg_url, broker_plan, machine, command,
+                                  quiet=opts.wait_quiet, profile=opts.profile)
+            write_sections(output, {backend: section})
+            failed |= "failed" in section.split("<details>")[0]
     elapsed = time.monotonic() - started
-    text = report(results, plan, command, machine, elapsed)
-    Path(opts.output).write_text(text)
-    print(f"\nwrote {opts.output} ({elapsed / 60:.1f} min)")
-    return 1 if any(m.error for m in results) else 0
+    print(f"\nwrote {', '.join(backends)} to {output} ({elapsed / 60:.1f} min)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

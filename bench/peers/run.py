@@ -1,0 +1,83 @@
+"""Side-by-side benchmark of duebox and its peers (issue #8): one command.
+
+    python bench/peers/run.py            # 3 runs, 20,000 + 500 jobs: about 20 min
+    python bench/peers/run.py --quick    # 2,000 + 100 jobs, 1 run: checks the harness
+    python bench/peers/run.py --only celery-redis,duebox-sql --runs 1
+    python bench/peers/run.py --sqs      # also duebox on LocalStack's SQS
+    python bench/peers/run.py --report-only   # re-render RESULTS.md from results.json
+
+The peers are installed into a bench-only virtual environment
+($HOME/.cache/duebox/bench-peers-venv, or BENCH_PEERS_VENV), never into the
+project's dependencies: this script creates it from requirements.txt plus
+``-e <repo>[postgres,redis,rabbitmq,kafka,sqs]``, then runs itself inside it.
+It writes results.json (every measurement) and RESULTS.md beside itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+VENV = Path(os.environ.get("BENCH_PEERS_VENV",
+                           Path.home() / ".cache" / "duebox" / "bench-peers-venv"))
+
+
+def ensure_venv() -> Path:
+    """The bench venv's python, (re)installed when requirements.txt changed."""
+    python = VENV / "bin" / "python"
+    stamp = VENV / ".requirements.sha256"
+    want = hashlib.sha256((HERE / "requirements.txt").read_bytes()).hexdigest()
+    if python.exists() and stamp.exists() and stamp.read_text() == want:
+        return python
+    if not python.exists():
+        print(f"creating the bench venv {VENV}", file=sys.stderr)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "-r",
+                    str(HERE / "requirements.txt"),
+                    "-e", f"{ROOT}[postgres,redis,rabbitmq,kafka,sqs]"], check=True)
+    stamp.write_text(want)
+    return python
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=20_000, help="workload A jobs")
+    p.add_argument("--late-jobs", type=int, default=500, help="workload B jobs")
+    p.add_argument("--spread", type=float, default=10.0, help="workload B: seconds")
+    p.add_argument("--only", default=None, help="comma-separated system names")
+    p.add_argument("--quick", action="store_true", help="2,000 + 100 jobs, 1 run")
+    p.add_argument("--sqs", action="store_true", help="also duebox-sqs (LocalStack)")
+    p.add_argument("--no-profile", action="store_true", help="skip the py-spy pass")
+    p.add_argument("--profile-only", action="store_true", help="only the py-spy pass")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--note", default=None, help="a paragraph for the top of RESULTS.md")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.runs, args.jobs, args.late_jobs = 1, 2000, 100
+    for name in ("runs", "jobs", "late_jobs"):
+        if getattr(args, name) < 1 or (name != "runs" and getattr(args, name) < 2):
+            p.error(f"--{name.replace('_', '-')}: too small")
+    return args
+
+
+def main() -> None:
+    args = parse(sys.argv[1:])
+    if Path(sys.prefix).resolve() != VENV.resolve():
+        python = ensure_venv()
+        os.execv(str(python), [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
+    sys.path.insert(0, str(HERE))
+    from harness import run_all
+
+    run_all(args, argv=sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The two workloads, run against one system in fresh resources.
+
+A (throughput): enqueue N no-op jobs due now with the worker stopped (timed
+in the enqueuing process), then start one worker process and time the jobs'
+starts: processing rate = (N - 1) / (last start - first start).  The worker's
+own start-up is excluded there and reported separately (spawn to last start).
+
+B (lateness): start the worker, wait until a warm-up job has run, then
+enqueue N jobs due at distinct times spread over ``spread`` seconds from
+``lead`` seconds after the enqueue began; lateness = start - due.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import record
+from resources import environment
+from systems import System
+
+HERE = Path(__file__).resolve().parent
+
+
+class WorkloadError(RuntimeError):
+    """A system did not complete a workload (crash, timeout)."""
+
+
+@dataclass
+class Context:
+    kafka: str | None
+    sqs: str | None
+    logs: Path
+    profile_dir: Path | None = None   # py-spy record each worker process into it
+
+
+def _command(system: System, process: str) -> list[str]:
+    if system.is_duebox:
+        return [sys.executable, "-m", "duebox.cli", "--log-level", "WARNING", process,
+                "--app", "peer_duebox:app"]
+    return [sys.executable, str(HERE / f"peer_{system.module}.py"), process]
+
+
+class Processes:
+    """A system's long-running processes, each in its own session, so
+    stopping one stops its children (Celery's pool) and nothing else."""
+
+    def __init__(self, system: System, env: dict[str, str], ctx: Context, label: str) -> None:
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.logs: list[Path] = []
+        self.spies: list[subprocess.Popen[bytes]] = []
+        for process in system.processes:
+            self.logs.append(ctx.logs / f"{label}-{process}.log")
+            log = open(self.logs[-1], "ab")  # noqa: SIM115
+            p = subprocess.Popen(_command(system, process), cwd=HERE, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            self.procs.append((process, p))
+            if ctx.profile_dir is not None:
+                out = ctx.profile_dir / f"{label}-{process}.txt"
+                self.spies.append(subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(p.pid),
+                     "--rate", "200", "--format", "raw", "--subprocesses", "-o", str(out)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def check(self) -> None:
+        for (name, p), log in zip(self.procs, self.logs, strict=True):
+            if p.poll() is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise WorkloadError(f"{name} exited with {p.returncode}: {' | '.join(tail)}")
+
+    def stop(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for spy in self.spies:  # py-spy writes its file when its target exits
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait()
+
+
+def _run(system: System, env: dict[str, str], *args: str) -> dict[str, object]:
+    cmd = [sys.executable, str(HERE / f"peer_{system.module}.py"), *args]
+    done = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise WorkloadError(f"{' '.join(args)} failed: {done.stderr[-1500:]}")
+    lines = done.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _wait(directory: str, n: int, procs: Processes, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while record.count(directory) < n:
+        procs.check()
+        if time.monotonic() > deadline:
+            raise WorkloadError(f"{record.count(directory)} of {n} jobs ran in {timeout:.0f} s")
+        time.sleep(0.05)  # polling a file size: no event to wait on across processes
+
+
+def _env(system: System, base: dict[str, str], aggressive: bool) -> dict[str, str]:
+    env = {**os.environ, **base, "PYTHONPATH": str(HERE), "BENCH_AGGRESSIVE": "0"}
+    if aggressive:
+        env["BENCH_AGGRESSIVE"] = "1"
+        if system.is_duebox:
+            env["DUEBOX_POLL_INTERVAL"] = "0.05"
+            if system.broker == "kafka":
+                env["DUEBOX_BROKER_URL"] += "&fetch_max_wait_ms=5"
+    return env
+
+
+def throughput(system: System, ctx: Context, n: int, label: str) -> dict[str, object]:
+    rec = tempfile.mkdtemp(prefix="bench-peers-rec-")
+    try:
+        with environment(system, ctx.kafka, ctx.sqs, rec) as base:
+            env = _env(system, base, aggressive=False)
+            _run(system, env, "setup")
+            enq = _run(system, env, "enqueue", "--n", str(n))
+            spawned = time.time()
+            procs = Processes(system, env, ctx, label)
+            try:
+                _wait(rec, n, procs, timeout=max(300.0, n / 30))
+            finally:
+                procs.stop()
+        starts = sorted(s for _, s in record.read(rec))
+    finally:
+        shutil.rmtree(rec, ignore_errors=True)
+    return {"enqueue_rate": n / float(enq["seconds"]),  # type: ignore[arg-type]
+            "enqueue_how": enq["how"],
+            "process_rate": (n - 1) / (starts[-1] - starts[0]),
+            "spawn_to_done_s": starts[-1] - spawned, "ran": len(starts)}
+
+
+def lateness(system: System, ctx: Context, n: int, aggressive: bool, label: str,
+             lead: float = 2.0, spread: float = 10.0) -> dict[str, object]:
+    rec = tempfile.mkdtemp(prefix="bench-peers-rec-")
+    try:
+        with environment(system, ctx.kafka, ctx.sqs, rec) as base:
+            env = _env(system, base, aggressive)
+            _run(system, env, "setup")
+            procs = Processes(system, env, ctx, label)
+            try:
+                _run(system, env, "enqueue", "--warmup")
+                _wait(rec, 1, procs, timeout=120)
+                _run(system, env, "enqueue", "--n", str(n), "--lead", str(lead),
+                     "--spread", str(spread))
+                _wait(rec, n + 1, procs, timeout=lead + spread + 90)
+            finally:
+                procs.stop()
+        rows = [(d, s) for d, s in record.read(rec) if d > 0]
+    finally:
+        shutil.rmtree(rec, ignore_errors=True)
+    late = sorted(round((s - d) * 1000, 3) for d, s in rows)
+    return {"late_ms": late, "ran": len(late)}
