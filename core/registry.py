@@ -16,6 +16,7 @@ BROKERS: dict[str, str] = {
     "amqp": "duebox.brokers.amqp:AMQPBroker",
     "amqps": "duebox.brokers.amqp:AMQPBroker",
     "redis": "duebox.brokers.redis:RedisBroker",
+    "rediss": "duebox.brokers.redis:RedisBroker",  # Redis over TLS
     "sqs": "duebox.brokers.sqs:SQSBroker",
     "kafka": "duebox.brokers.kafka:KafkaBroker",
 }

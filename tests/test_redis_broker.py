@@ -110,6 +110,14 @@ async def until(running: Running | None, predicate: Callable[[], Any], *, second
 # --- configuration ------------------------------------------------------------------
 
 
+def test_rediss_is_redis_over_tls() -> None:
+    ctx = BrokerContext(sa.create_engine("sqlite://"), SystemClock(), duebox.Settings())
+    cls = broker_class("rediss://h")
+    assert cls is broker_class("redis://h")
+    b = cls("rediss://h:6380/0?prefix=app", ctx)
+    assert b.settings.prefix == "app"
+
+
 def test_url_parameters_and_capabilities() -> None:
     ctx = BrokerContext(sa.create_engine("sqlite://"), SystemClock(), duebox.Settings())
     cls = broker_class("redis://h")
