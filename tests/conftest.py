@@ -190,3 +190,18 @@ def runner(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     cli_app.app.configure(database_url=database_url)
     yield CliRunner()
     cli_app.app.dispose()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print why each rerun test failed the first time: ``--reruns`` is a
+    stopgap, and its failures are the flakes still to fix (rerunfailures
+    itself prints only their names)."""
+    reruns = terminalreporter.stats.get("rerun", [])
+    if not reruns:
+        return
+    terminalreporter.section("why the rerun tests failed first")
+    for rep in reruns:
+        text = getattr(rep, "longreprtext", "") or str(rep.longrepr)
+        terminalreporter.write_line(f"--- {rep.nodeid}")
+        for line in text.splitlines()[-60:]:
+            terminalreporter.write_line(line)
