@@ -13,7 +13,6 @@ import contextlib
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -55,22 +54,12 @@ def redis_url() -> Iterator[str]:
             keys.wipe()
 
 
-def rabbitmqctl(*args: str) -> str:
-    return subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True,
-                          text=True, timeout=60).stdout
-
-
 @contextlib.contextmanager
 def amqp_url() -> Iterator[str]:
     """A fresh vhost (guest may use it), deleted at the end with everything in it."""
     tb = test_backends()
-    name = f"duebox_bench_{uuid.uuid4().hex[:10]}"
-    rabbitmqctl("add_vhost", name)
-    try:
-        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+    with tb.scratch_vhost(f"duebox_bench_{uuid.uuid4().hex[:10]}") as name:
         yield f"{tb.AMQP.rstrip('/')}/{name}?prefix=bench"
-    finally:
-        rabbitmqctl("delete_vhost", name)
 
 
 def amqp_queues(url: str) -> list[tuple[str, int, int]]:
@@ -78,7 +67,7 @@ def amqp_queues(url: str) -> list[tuple[str, int, int]]:
     from urllib.parse import unquote, urlsplit
 
     vhost = unquote(urlsplit(url).path.lstrip("/")) or "/"
-    out = rabbitmqctl("list_queues", "-p", vhost, "--no-table-headers",
+    out = test_backends().rabbitmqctl("list_queues", "-p", vhost, "--no-table-headers",
                       "name", "messages", "memory")
     rows = []
     for line in out.splitlines():

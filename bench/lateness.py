@@ -32,7 +32,6 @@ import logging
 import multiprocessing
 import multiprocessing.synchronize
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -87,14 +86,10 @@ def broker_url(backend: str, kafka: str, lookahead: float | None) -> Iterator[st
             client.delete(*keys)
         client.close()
     elif backend == "amqp":
-        vhost = f"duebox_lat_{tag}"
-        subprocess.run(["rabbitmqctl", "-q", "add_vhost", vhost], check=True)
-        subprocess.run(["rabbitmqctl", "-q", "set_permissions", "-p", vhost, "guest",
-                        ".*", ".*", ".*"], check=True)
-        try:
+        from backends_services import test_backends
+
+        with test_backends().scratch_vhost(f"duebox_lat_{tag}") as vhost:
             yield f"{AMQP}/{vhost}?delay_mode=tiers"
-        finally:
-            subprocess.run(["rabbitmqctl", "-q", "delete_vhost", vhost], check=False)
     elif backend == "kafka":
         yield f"kafka://{kafka}?prefix=lat{tag}.&fetch_max_wait_ms=5"
     else:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,21 @@ def with_params(url: str, **params: object) -> str:
     return f"{url}{'&' if '?' in url else '?'}{query}"
 
 
-def rabbitmqctl(*args: str, timeout: float = 60) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True,
-                   timeout=timeout)
+def rabbitmqctl(*args: str, timeout: float = 60) -> str:
+    return subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True,
+                          text=True, timeout=timeout).stdout
+
+
+@contextlib.contextmanager
+def scratch_vhost(name: str, user: str = "guest") -> Iterator[str]:
+    """A RabbitMQ vhost of the caller's own that ``user`` may use, deleted at
+    the end with everything in it.  Yields its name."""
+    rabbitmqctl("add_vhost", name)
+    try:
+        rabbitmqctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
+        yield name
+    finally:
+        rabbitmqctl("delete_vhost", name)
 
 
 class Keys:
