@@ -508,14 +508,6 @@ def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> str
     return "locked"
 
 
-def still_leased(conn: Connection, rec: JobRecord) -> bool:
-    """The job is still this lease's and this version's: nothing cancelled,
-    rescheduled or took it over since it was claimed or started."""
-    return conn.execute(
-        select(job.c.id).where(_fenced(rec), job.c.version == rec.version)
-    ).first() is not None
-
-
 def _fenced(rec: JobRecord) -> Any:
     return and_(
         job.c.id == rec.id,
@@ -558,10 +550,24 @@ _FINISH_ATTEMPT = (
 )
 
 
+_STILL_LEASED = select(job.c.id).where(_FENCED_BOUND,
+                                       job.c.version == _p("f_version", job.c.version))
+
+
+def _fence_params(rec: JobRecord) -> dict[str, Any]:
+    return {"f_id": rec.id, "f_owner": rec.lease_owner, "f_gen": rec.lease_generation}
+
+
 def complete_bound(rec: JobRecord, now: datetime) -> tuple[Update, dict[str, Any]]:
-    """:func:`complete_stmt`, prebuilt."""
-    return _COMPLETE, {"f_id": rec.id, "f_owner": rec.lease_owner,
-                       "f_gen": rec.lease_generation, "f_now": now}
+    """The statement of :func:`complete_stmt` and its parameters."""
+    return _COMPLETE, {**_fence_params(rec), "f_now": now}
+
+
+def still_leased(conn: Connection, rec: JobRecord) -> bool:
+    """The job is still this lease's and this version's: nothing cancelled,
+    rescheduled or took it over since it was claimed or started."""
+    params = {**_fence_params(rec), "f_version": rec.version}
+    return conn.execute(_STILL_LEASED, params).first() is not None
 
 
 def finish_attempt_bound(rec: JobRecord, now: datetime, outcome: str
