@@ -77,6 +77,8 @@ def create_async_engine_for(url: str | URL) -> AsyncEngine:
         parsed = parsed.set(drivername="sqlite+aiosqlite")
     elif backend == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")
+    elif backend in ("mysql", "mariadb"):
+        parsed = parsed.set(drivername=f"{backend}+aiomysql")
     try:
         if backend == "sqlite":
             engine = create_async_engine(parsed, poolclass=NullPool,

@@ -117,7 +117,13 @@ class ProcessHeartbeat:
     def beat_once(self) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started_at": self.started_at.isoformat(), **self.info()}
-        with self.engine.begin() as conn:
+        engine = self.engine
+        if engine.dialect.name in ("mysql", "mariadb"):
+            # InnoDB's REPEATABLE READ locks the gap an UPDATE finds empty, so
+            # two processes' first beats (update, then insert) deadlocked
+            # (error 1213) when they started together.
+            engine = engine.execution_options(isolation_level="READ COMMITTED")
+        with engine.begin() as conn:
             # Each beat also re-reads the database's clock, which every
             # due-time decision of this process follows (never early even
             # when this machine's clock runs ahead).

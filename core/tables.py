@@ -30,8 +30,9 @@ from sqlalchemy import (
     UniqueConstraint,
     Uuid,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -47,10 +48,19 @@ class UTCDateTime(TypeDecorator[datetime]):
 
     SQLite and MySQL have no zone-aware timestamp; values are stored as UTC and
     handed back aware, so comparisons never depend on a server or machine zone.
+
+    On MySQL/MariaDB it is ``DATETIME(6)``: a bare ``DATETIME`` keeps whole
+    seconds, so a job due at 12:00:00.7 would be stored (MariaDB truncates)
+    as 12:00:00 and could start early.  Migration 0004 widens older tables.
     """
 
     impl = DateTime(timezone=True)
     cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(timezone=True, fsp=6))
+        return self.impl_instance
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
