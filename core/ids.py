@@ -7,16 +7,28 @@ import os
 import time
 import uuid
 
+_RAND_A = 0xFFF << 62
+_RAND_B = (1 << 62) - 1
+_VERSION_VARIANT = (0x7 << 76) | (0b10 << 62)
+
+
+def _from_parts(ms: int, rand: int) -> uuid.UUID:
+    value = (ms & ((1 << 48) - 1)) << 80 | _VERSION_VARIANT
+    value |= (rand & _RAND_A) << 2  # rand_a, 12 bits, above the variant
+    value |= rand & _RAND_B  # rand_b
+    return uuid.UUID(int=value)
+
 
 def uuid7() -> uuid.UUID:
+    return _from_parts(time.time_ns() // 1_000_000, int.from_bytes(os.urandom(10), "big"))
+
+
+def uuid7_many(n: int) -> list[uuid.UUID]:
+    """``n`` ids of one millisecond, from one read of the random source
+    instead of a syscall per id."""
     ms = time.time_ns() // 1_000_000
-    rand = int.from_bytes(os.urandom(10), "big")
-    value = (ms & ((1 << 48) - 1)) << 80
-    value |= 0x7 << 76  # version
-    value |= ((rand >> 62) & 0xFFF) << 64  # rand_a, 12 bits
-    value |= 0b10 << 62  # variant
-    value |= rand & ((1 << 62) - 1)  # rand_b
-    return uuid.UUID(int=value)
+    pool = os.urandom(10 * n)
+    return [_from_parts(ms, int.from_bytes(pool[i:i + 10], "big")) for i in range(0, 10 * n, 10)]
 
 
 def parse_job_id(value: object, field: str = "job_id") -> uuid.UUID:

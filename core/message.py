@@ -24,6 +24,9 @@ HEADER_ATTEMPT = "duebox-attempt"
 HEADER_DUE_AT = "duebox-due-at"
 HEADER_TASK = "duebox-task"
 
+# json.dumps(separators=...) builds an encoder per call: a relay hot spot.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
 
 class UndecodableJSON(str):
     """The text of a JSON column that does not parse: a row written by hand
@@ -58,7 +61,7 @@ class JobMessage:
     headers: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return json.dumps(
+        return _ENCODER.encode(
             {
                 "format": FORMAT,
                 "id": str(self.job_id),
@@ -70,7 +73,6 @@ class JobMessage:
                 "payload": self.payload,
                 "headers": self.headers,
             },
-            separators=(",", ":"),
         ).encode()
 
     def header_map(self) -> dict[str, str]:
