@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .fair_claim import DispatchPolicy
 
 DEFAULT_DATABASE_URL = "sqlite:///duebox.db"
 DEFAULT_BROKER_URL = "sql://"
@@ -33,6 +37,10 @@ class Settings:
     # AOF, a purged queue).  Consumers drop the duplicate by outbox id.
     redeliver_after: float = 900.0
     concurrency: int = 8
+    # Most jobs a worker runs in one transaction when it has a backlog of
+    # short ones (each in its own savepoint; consumers/group_commit.py); 1
+    # gives every job a transaction of its own.
+    group_commit: int = 32
     notify: bool = True
     # Catch-up after an outage (see docs/schedules.md): jobs overdue by more
     # than ``catchup_after`` are released at most ``catchup_rate`` per second
@@ -44,10 +52,20 @@ class Settings:
     # The largest payload (with headers) schedule() accepts, in bytes of JSON;
     # a broker with a smaller message limit lowers it further.
     max_payload_bytes: int = 1024 * 1024
+    # Priority, fair shares, quotas and rate limits (docs/scale.md): a
+    # DispatchPolicy, a mapping of its fields, or that mapping as JSON.  The
+    # relay and the sql:// worker apply the same one; unset, both read
+    # DUEBOX_DISPATCH_POLICY when they start.
+    dispatch_policy: DispatchPolicy | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        if self.dispatch_policy is not None:
+            from .fair_claim import DispatchPolicy
+
+            object.__setattr__(self, "dispatch_policy", DispatchPolicy.parse(self.dispatch_policy))
         _positive_int("batch_size", self.batch_size, upper=100_000)
         _positive_int("concurrency", self.concurrency, upper=10_000)
+        _positive_int("group_commit", self.group_commit, upper=1_000)
         _positive_int("max_payload_bytes", self.max_payload_bytes, upper=512 * 1024 * 1024)
         for name in ("poll_interval", "lease_seconds", "redeliver_after", "catchup_rate",
                      "catchup_after", "misfire_grace"):

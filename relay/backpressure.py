@@ -8,7 +8,10 @@ Signals, all seen on the publish path so they work for every backend:
 * a publish much slower per message than usual: RabbitMQ's flow control and
   ``connection.blocked`` stall publisher confirms, SQS backs off inside the
   backend before it answers, so a stall is the overload signal for brokers
-  that absorb it without an error.
+  that absorb it without an error;
+* downstream of the broker: handlers failing as *throttled* (HTTP 429, a
+  ``Throttled`` raised), which workers count in their registry rows and the
+  relay reads with its snapshot (:meth:`Backpressure.downstream`).
 
 The response is AIMD on the relay's claim batch: halve on each signal
 (down to ``floor`` of the batch), grow back by ``step`` after each calm
@@ -19,6 +22,7 @@ proportion, so the broker sees fewer, smaller batches instead of a pile.
 from __future__ import annotations
 
 import math
+import time
 
 
 class Backpressure:
@@ -33,10 +37,18 @@ class Backpressure:
         self.factor = 1.0
         self.signals = 0
         self._per_message: float | None = None
+        self._hold_until = -math.inf
 
     def overload(self) -> None:
         self.factor = max(self.floor, self.factor / 2)
         self.signals += 1
+
+    def downstream(self, hold: float) -> None:
+        """Handlers are being throttled: halve, and do not grow back for
+        ``hold`` seconds however calm the broker is (it is not the broker
+        that is overloaded)."""
+        self.overload()
+        self._hold_until = time.monotonic() + hold
 
     def observe(self, n: int, seconds: float, refused: int = 0, error: bool = False) -> None:
         """One publish of ``n`` messages that took ``seconds``."""
@@ -46,7 +58,8 @@ class Backpressure:
         if error or refused or stalled:
             self.overload()
         else:
-            self.factor = min(1.0, self.factor + self.step)
+            if time.monotonic() >= self._hold_until:
+                self.factor = min(1.0, self.factor + self.step)
             # The baseline learns from calm publishes only.
             self._per_message = per if usual is None else 0.9 * usual + 0.1 * per
 

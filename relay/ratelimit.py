@@ -1,98 +1,18 @@
-"""Dispatch rate limits shared by every relay: token buckets in the database.
+"""Dispatch rate limits shared by every relay and ``sql://`` worker: token
+buckets in the database (``duebox_rate_bucket``).
 
-A bucket is one ``duebox_rate_bucket`` row (``global``, ``queue:<name>``,
-``tenant:<name>``) holding ``tokens`` and ``updated_at``; its rate and burst
-are configuration (:class:`~duebox.relay.fairness.DispatchPolicy`).  A claim
-transaction locks the rows it needs (``SELECT ... FOR UPDATE``, in name order
-so two relays never deadlock), refills them by the time elapsed since
-``updated_at``, claims at most what they allow and writes back what it spent,
-all before it commits.  Several relay processes therefore share one budget
-exactly: a token spent by one is gone for the others, and a claim that rolls
-back spends nothing.
-
-On SQLite the claim's ``BEGIN IMMEDIATE`` already serialises writers, so the
-row lock is implicit.
+The implementation is ``duebox.fair_claim``'s (core/fair_claim.py), where
+both claimers reach it: a claim transaction locks the bucket rows it needs
+in name order, refills them by the time elapsed, claims at most what they
+allow and writes back what it spent before it commits, so several processes
+share one budget exactly and a claim that rolls back spends nothing.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-from dataclasses import dataclass
-from datetime import datetime
+from duebox.fair_claim import Held, Limit
+from duebox.fair_claim import bucket_wait as seconds_until
+from duebox.fair_claim import lock_buckets as lock
+from duebox.fair_claim import spend_buckets as spend
 
-from sqlalchemy import Connection, select, update
-from sqlalchemy.exc import IntegrityError
-
-from duebox.tables import rate_bucket
-
-
-@dataclass(frozen=True, slots=True)
-class Limit:
-    """``rate`` tokens (jobs) per second, at most ``burst`` saved up."""
-
-    rate: float
-    burst: float
-
-
-@dataclass
-class Held:
-    """A bucket locked by the current transaction."""
-
-    name: str
-    limit: Limit
-    tokens: float
-    at: datetime  # the instant ``tokens`` is the level at
-    spent: int = 0
-
-    @property
-    def available(self) -> int:
-        return max(0, math.floor(self.tokens - self.spent + 1e-9))
-
-
-def _ensure(conn: Connection, name: str, limit: Limit, now: datetime) -> None:
-    """Create the row full on first use; a concurrent creator wins harmlessly."""
-    if conn.execute(select(rate_bucket.c.name).where(rate_bucket.c.name == name)).first():
-        return
-    try:
-        with conn.begin_nested():
-            conn.execute(rate_bucket.insert().values(name=name, tokens=limit.burst,
-                                                     updated_at=now))
-    except IntegrityError:
-        pass
-
-
-def lock(conn: Connection, limits: dict[str, Limit], now: datetime) -> dict[str, Held]:
-    """Lock and refill these buckets for the current transaction."""
-    held: dict[str, Held] = {}
-    for name in sorted(limits):
-        limit = limits[name]
-        _ensure(conn, name, limit, now)
-        tokens, at = conn.execute(
-            select(rate_bucket.c.tokens, rate_bucket.c.updated_at)
-            .where(rate_bucket.c.name == name).with_for_update()
-        ).one()
-        # A relay whose ``now`` is older than the row's (it waited for the
-        # lock, or its clock is behind) refills nothing and never moves the
-        # row back in time, so no interval is counted twice.
-        elapsed = max(0.0, (now - at).total_seconds())
-        held[name] = Held(name, limit, min(limit.burst, tokens + elapsed * limit.rate),
-                          max(now, at))
-    return held
-
-
-def spend(conn: Connection, buckets: Iterable[Held], now: datetime) -> None:
-    """Write back the refilled level minus what this transaction spent."""
-    for b in buckets:
-        conn.execute(update(rate_bucket).where(rate_bucket.c.name == b.name)
-                     .values(tokens=b.tokens - b.spent, updated_at=max(now, b.at)))
-
-
-def seconds_until(buckets: Iterable[Held], n: int) -> float:
-    """How long until every bucket holds ``n`` more tokens than now (0: now)."""
-    wait = 0.0
-    for b in buckets:
-        missing = min(n, b.limit.burst) - (b.tokens - b.spent)
-        if missing > 0:
-            wait = max(wait, missing / b.limit.rate)
-    return wait
+__all__ = ["Held", "Limit", "lock", "seconds_until", "spend"]

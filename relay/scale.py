@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import ColumnElement
 
 from duebox import jobstore
-from duebox.metrics import Metrics
+from duebox.metrics import Metrics, ProcessRow
 
 from .backpressure import Backpressure
 from .fairness import DispatchPolicy, FairClaim
@@ -34,13 +34,14 @@ class ScaleControls:
                  shards: ShardConfig | None) -> None:
         self.app = app
         self.name = name
-        self.policy = policy or DispatchPolicy.from_env()
+        self.policy = policy or DispatchPolicy.configured(app.settings)
         self.fair = FairClaim(self.policy) if self.policy.enabled else None
         shards = shards or ShardConfig.from_env()
         self.shards = (ShardOwner(shards, name, app.settings.clock_skew_margin)
                        if shards is not None else None)
         self.backpressure = Backpressure()
         self._lost_seen = 0
+        self._throttled: dict[str, int] = {}
 
     # --- claim -----------------------------------------------------------------------
 
@@ -92,6 +93,24 @@ class ScaleControls:
     def release(self) -> None:
         if self.shards is not None:
             self.shards.release_all(self.app.engine)
+
+    def observe_workers(self, processes: Iterable[ProcessRow], interval: float) -> None:
+        """Workers report how many of their handlers failed as throttled (a
+        downstream API's 429) in their registry rows; a count that rose
+        since the last snapshot (every ``interval`` seconds) slows dispatch
+        as a broker's overload does, held until the next snapshot."""
+        rose = False
+        for p in processes:
+            if p.role != "worker":
+                continue
+            count = p.info.get("throttled")
+            if not isinstance(count, int):
+                continue
+            last = self._throttled.get(p.name)
+            rose = rose or (last is not None and count > last)
+            self._throttled[p.name] = count
+        if rose:
+            self.backpressure.downstream(hold=interval)
 
     # --- metrics ---------------------------------------------------------------------
 
