@@ -13,7 +13,7 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,11 @@ class Capabilities:
     ``delay_precision``: the granularity of that delay; the relay rounds up to
     it so nothing becomes visible early.  ``direct_claim``: workers claim due
     rows from the job table themselves and the relay publishes nothing.
+    ``publish_lead``: set where the broker's own delay is too coarse (or
+    absent) for a precise hand-over: the relay holds near-due jobs in memory
+    (still leased) and publishes each this many seconds before its due time,
+    with no delay; the worker waits out the rest.  ``None``: near-due jobs go
+    through the broker's delay like any other.
     """
 
     name: str
@@ -56,6 +61,7 @@ class Capabilities:
     redelivers_unacked: bool
     in_flight_after_cancel: str
     direct_claim: bool = False
+    publish_lead: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,10 @@ class Broker(abc.ABC):
         self.context = context
         self.params = parse_params(url)
         self.max_delay = effective_max_delay(self.capabilities.max_delay, self.params)
+        # Set by a worker: how many jobs it wants in hand right now (running
+        # or waiting to run).  A backend whose consume claims jobs itself
+        # (sql://) claims up to it rather than a fixed multiple of prefetch.
+        self.wanted: Callable[[], int] | None = None
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Connect and declare what is needed.  Must be idempotent."""

@@ -33,10 +33,10 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from duebox import jobstore
 from duebox.brokers.base import Broker, Outgoing, open_broker
@@ -53,6 +53,8 @@ from .schedules import ScheduleStep
 from .shards import ShardConfig
 
 if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
     from duebox.app import Duebox
 
 log = logging.getLogger("duebox.relay")
@@ -68,14 +70,11 @@ _SWEEP_PAGES_PER_PASS = 4
 _NEAR_WINDOW = 15.0
 # At most this many held jobs (per relay): beyond it, the broker's delay.
 _HOLD_LIMIT = 20_000
-# A held job is published this much before its due time, with no delay, to
-# cover the hand-over to the worker; the worker holds it the last moment
-# (never early: consumers/worker.py).  Per backend: the broker's own latency.
-# Only these backends hold near-due jobs: Kafka has no delay, RabbitMQ's TTL
-# tiers are coarse.  Redis's own timer (the consumer's mover, woken at the
-# earliest score) is as precise and keeps the relay off the critical path;
-# memory:// is exact; sqs:// delays are whole seconds, its polling coarser.
-_LEAD = {"kafka": 0.004, "amqp": 0.002}
+# Which backends hold near-due jobs, and how long before due they publish
+# them, is the broker's ``Capabilities.publish_lead`` (Kafka has no delay,
+# RabbitMQ's TTL tiers are coarse).  Redis's own timer (the consumer's mover,
+# woken at the earliest score) is as precise and keeps the relay off the
+# critical path; memory:// is exact; sqs:// delays are whole seconds.
 
 
 @dataclass
@@ -140,8 +139,9 @@ class Relay:
         if hold_window is None:
             hold_window = app.settings.poll_interval + 1.0 if max_delay == 0 else 0.0
         self.hold_window = hold_window
-        self.near_window = max(near_window, hold_window) if caps.name in _LEAD else hold_window
-        self.lead = _LEAD.get(caps.name, 0.0) if lead is None else lead
+        holds = caps.publish_lead is not None
+        self.near_window = max(near_window, hold_window) if holds else hold_window
+        self.lead = (caps.publish_lead or 0.0) if lead is None else lead
         # The precise timer runs only inside run(); a bare run_pass() hands
         # every job to the broker's own delay (Kafka's still waits in _held).
         self._timer: asyncio.Task[None] | None = None
@@ -168,6 +168,11 @@ class Relay:
         # database snapshot and this relay's registry row.
         self.metrics = metrics or process_metrics()
         self.backend = caps.name
+        self._by_queue: dict[str, tuple[Any, Any, Any]] = {}
+        self._dispatch_lag = self.metrics.dispatch_lag.labels(self.backend)
+        # Batches the broker confirmed, not yet marked ENQUEUED: (claim owner,
+        # ids); the next claim's transaction marks them (see _pipeline).
+        self._unmarked: list[tuple[str, list[uuid.UUID]]] = []
         self.collector = DBCollector(self.metrics, interval=collect_interval)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
@@ -196,13 +201,7 @@ class Relay:
                                         [h.record.id for h in self._held])
             if self.scale.fair is None:  # fair mode: overdue jobs are in the fair claim
                 await self._catch_up(stats)
-            while True:
-                owner = f"{self.name}#{next(self._claims)}"
-                records = await asyncio.to_thread(self._claim, owner)
-                stats.claimed += len(records)
-                await self._dispatch(records, owner, stats)
-                if len(records) < self.batch_size:
-                    break
+            await self._pipeline(stats)
             await self._release_held(stats)
             self.scale.observe(self.metrics)
         self._add(stats)
@@ -227,9 +226,103 @@ class Relay:
             if len(records) < n:  # the backlog is drained
                 return
 
+    async def _pipeline(self, stats: PassStats) -> None:
+        """Claim, publish and mark batches until one comes back short,
+        pipelined: the next batch is claimed while the broker confirms the
+        last one, and a confirmed batch's fenced mark rides with the next
+        claim (one statement, one round trip on PostgreSQL).  Nothing is
+        published before it would have been; a job published and not yet
+        marked when the relay dies is recovered by its lease expiry and
+        published again, and consumers drop the duplicate."""
+        sending: asyncio.Task[None] | None = None
+        records: list[jobstore.JobRecord] = []
+        owner = ""
+        try:
+            while True:
+                owner = f"{self.name}#{next(self._claims)}"
+                records = []
+                records = await self._claim_marking(owner, stats)
+                stats.claimed += len(records)
+                if sending is not None:
+                    task, sending = sending, None
+                    await task
+                ready, claimed_at = await self._sort(records, owner, stats)
+                claimed = records
+                records = []  # sorted: held or being sent, no longer ours to hand back
+                sending = asyncio.create_task(self._send_then_mark_later(
+                    ready, owner, stats, claimed_at))
+                if len(claimed) < self.batch_size:
+                    break
+            task, sending = sending, None
+            await task
+        except BaseException as exc:
+            if sending is not None:
+                # Its confirmations still become marks, unless we are cancelled.
+                if isinstance(exc, asyncio.CancelledError):
+                    sending.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await sending
+            if records:  # claimed, never published: back to SCHEDULED at once
+                with contextlib.suppress(DatabaseError):
+                    await asyncio.to_thread(self._db, jobstore.release, owner,
+                                            [r.id for r in records])
+            with contextlib.suppress(DatabaseError):
+                await self._flush_marks(stats)
+            raise
+        await self._flush_marks(stats)
+
+    async def _send_then_mark_later(self, records: list[jobstore.JobRecord], owner: str,
+                                    stats: PassStats, claimed_at: datetime) -> None:
+        ok = await self._send(records, owner, stats, claimed_at=claimed_at)
+        if ok:
+            self._unmarked.append((owner, ok))
+
+    async def _claim_marking(self, owner: str, stats: PassStats) -> list[jobstore.JobRecord]:
+        """:meth:`_claim`, carrying the marks of confirmed batches."""
+        marks, self._unmarked = self._unmarked, []
+        try:
+            counts, records = await asyncio.to_thread(self._claim_and_mark, owner, marks)
+        except BaseException:
+            self._unmarked[:0] = marks  # not marked: the next claim or flush tries again
+            raise
+        self._count_marks(marks, counts, stats)
+        return records
+
+    async def _flush_marks(self, stats: PassStats) -> None:
+        if not self._unmarked:
+            return
+        marks, self._unmarked = self._unmarked, []
+        try:
+            counts = await asyncio.to_thread(self._mark_all, marks)
+        except BaseException:
+            self._unmarked[:0] = marks
+            raise
+        self._count_marks(marks, counts, stats)
+
+    @staticmethod
+    def _count_marks(marks: Sequence[tuple[str, Sequence[uuid.UUID]]], counts: list[int],
+                     stats: PassStats) -> None:
+        for (_, ids), marked in zip(marks, counts, strict=True):
+            stats.marked += marked
+            stats.lost_marks += len(ids) - marked
+
+    def _mark_all(self, marks: Sequence[tuple[str, Sequence[uuid.UUID]]]) -> list[int]:
+        now = self.app.clock.now()
+        fence = self.scale.fence(now)
+        with db_errors("mark"), self.app.engine.begin() as conn:
+            return [jobstore.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence)
+                    for owner, ids in marks]
+
     def _claim(self, owner: str, catchup: int = 0) -> list[jobstore.JobRecord]:
         """The next batch due by the horizon and not yet backlog; with
         ``catchup``, that many backlog jobs instead, most urgent first."""
+        return self._claim_and_mark(owner, (), catchup)[1]
+
+    def _claim_and_mark(self, owner: str, marks: Sequence[tuple[str, Sequence[uuid.UUID]]],
+                        catchup: int = 0) -> tuple[list[int], list[jobstore.JobRecord]]:
+        """:meth:`_claim`, and in its transaction the fenced marks of
+        ``marks`` (``(claim owner, published ids)``); returns the rows each
+        mark changed and the claimed records."""
         now = self.app.clock.now()
         horizon = now + timedelta(seconds=(self.max_delay or 0.0) + self.hold_window)
         if self.max_delay is None:
@@ -241,37 +334,79 @@ class Relay:
         overdue = self.catchup.threshold(now)
         fence = self.scale.fence(now)
         horizon = self.scale.horizon(now, horizon, self.hold_window)
-        with db_errors("claim"), self.app.engine.begin() as conn:
+        fair = self.scale.fair is not None and not catchup
+        with db_errors("claim"), self._claim_connection(fair) as conn:
             if catchup:
-                return jobstore.claim_for_dispatch(
-                    conn, owner=owner, horizon=overdue, limit=catchup, now=now,
+                return jobstore.mark_and_claim(
+                    conn, marks=marks, owner=owner, horizon=overdue, limit=catchup, now=now,
                     lease_until=now + timedelta(seconds=lease), priority_first=True,
                     fence=fence,
                 )
             limit = self.scale.backpressure.limit(self.batch_size)
             if self.scale.fair is not None:
-                return self.scale.fair.claim(
+                counts = [jobstore.mark_enqueued(conn, owner=o, ids=ids, now=now, fence=fence)
+                          for o, ids in marks]
+                return counts, self.scale.fair.claim(
                     conn, owner=owner, horizon=horizon, after=None, now=now,
                     lease_until=now + timedelta(seconds=lease), limit=limit, fence=fence,
                 )
-            return jobstore.claim_for_dispatch(
-                conn, owner=owner, horizon=horizon, limit=limit, now=now,
+            return jobstore.mark_and_claim(
+                conn, marks=marks, owner=owner, horizon=horizon, limit=limit, now=now,
                 lease_until=now + timedelta(seconds=lease), after=overdue, fence=fence,
             )
 
+    @contextlib.contextmanager
+    def _claim_connection(self, fair: bool) -> Iterator[Connection]:
+        """On PostgreSQL the claim, and each mark that goes with it, is one
+        statement, atomic by itself; they need not be atomic together (each
+        mark carries its own fence).  Autocommit spares the BEGIN and COMMIT
+        round trips.  The fair claim locks rows before it updates them, and
+        MySQL's claim takes three statements: those run in a transaction."""
+        engine = self.app.engine
+        if fair or engine.dialect.name != "postgresql":
+            with engine.begin() as conn:
+                yield conn
+            return
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            yield conn
+
     async def _dispatch(self, records: list[jobstore.JobRecord], owner: str,
                         stats: PassStats) -> None:
+        ready, claimed_at = await self._sort(records, owner, stats)
+        await self._publish(ready, owner, stats, claimed_at=claimed_at)
+
+    def _queue_metrics(self, queue: str) -> tuple[Any, Any, Any]:
+        """The per-queue metric children (claimed, scheduling lag, published):
+        ``labels()`` per job cost more than the rest of the bookkeeping."""
+        found = self._by_queue.get(queue)
+        if found is None:
+            m, b = self.metrics, self.backend
+            found = self._by_queue[queue] = (m.claimed.labels(b, queue),
+                                             m.scheduling_lag.labels(b, queue),
+                                             m.published.labels(b, queue))
+        return found
+
+    async def _sort(self, records: list[jobstore.JobRecord], owner: str, stats: PassStats
+                    ) -> tuple[list[jobstore.JobRecord], datetime]:
+        """Metrics of a fresh claim; expire the too-late jobs, hold the
+        near-due ones; returns the ones to publish now and the claim time."""
         now = self.app.clock.now()
-        m = self.metrics
+        counts: dict[str, int] = {}
         for rec in records:  # claimed just now: claim - due, 0 when claimed ahead
-            m.claimed.labels(self.backend, rec.queue).inc()
-            m.scheduling_lag.labels(self.backend, rec.queue).observe(seconds(now, rec.due_at))
+            counts[rec.queue] = counts.get(rec.queue, 0) + 1
+            self._queue_metrics(rec.queue)[1].observe(seconds(now, rec.due_at))
+        for queue, n in counts.items():
+            self._queue_metrics(queue)[0].inc(n)
         expired = [r.id for r in records if self.catchup.too_late(r, now)]
         if expired:
             stats.expired += await asyncio.to_thread(self._db, jobstore.expire, owner, expired)
         ready = []
         for rec in records:
-            if self.catchup.too_late(rec, now):
+            if expired and self.catchup.too_late(rec, now):
+                continue
+            if rec.due_at <= now:  # due: published now whatever the hold rules say
+                ready.append(rec)
                 continue
             release_at = self._release_time(rec, now)
             if release_at > now:
@@ -281,7 +416,7 @@ class Relay:
                 stats.held += 1
             else:
                 ready.append(rec)
-        await self._publish(ready, owner, stats, claimed_at=now)
+        return ready, now
 
     def _near(self) -> float:
         return self.near_window if self._timer is not None else self.hold_window
@@ -318,13 +453,25 @@ class Relay:
 
     async def _publish(self, records: list[jobstore.JobRecord], owner: str,
                        stats: PassStats, claimed_at: datetime | None = None) -> None:
+        ok = await self._send(records, owner, stats, claimed_at)
+        if not ok:
+            return
+        marked = await asyncio.to_thread(self._db, jobstore.mark_enqueued, owner, ok,
+                                         fence=self.scale.fence(self.app.clock.now()))
+        stats.marked += marked
+        stats.lost_marks += len(ok) - marked
+
+    async def _send(self, records: list[jobstore.JobRecord], owner: str,
+                    stats: PassStats, claimed_at: datetime | None = None) -> list[uuid.UUID]:
+        """Publish ``records``; those the broker refused go back to SCHEDULED.
+        Returns the ids it confirmed, for the caller to mark."""
         if self.scale.shards is not None:
             records, fenced = await asyncio.to_thread(self.scale.still_owned, records)
             stats.fenced += fenced
             if fenced:
                 self.metrics.fenced.labels(self.backend).inc(fenced)
         if not records:
-            return
+            return []
         now = self.app.clock.now()
         batch = [Outgoing(r.to_message(), self._delay_for(r, now)) for r in records]
         started = time.monotonic()
@@ -346,25 +493,26 @@ class Relay:
             log.warning("broker refused %d of %d messages; they go back to SCHEDULED",
                         len(failed), len(results))
             await asyncio.to_thread(self._db, jobstore.release, owner, failed)
-        marked = await asyncio.to_thread(self._db, jobstore.mark_enqueued, owner, ok,
-                                         fence=self.scale.fence(self.app.clock.now()))
-        stats.marked += marked
-        stats.lost_marks += len(ok) - marked
+        return ok
 
     def _observe_published(self, records: list[jobstore.JobRecord], ok: set[object],
                            now: datetime, claimed_at: datetime | None) -> None:
         """Dispatch lag: publish minus the moment the job could be published
         (its claim, or its release time when it was held)."""
-        m = self.metrics
+        lag = self._dispatch_lag
+        lead = timedelta(seconds=self.lead)
+        counts: dict[str, int] = {}
         for rec in records:
             if rec.id in ok:
                 # Released by the timer: its release time; published ahead
                 # (the broker delays it) or overdue: the claim.
-                ready = rec.due_at - timedelta(seconds=self.lead)
+                ready = rec.due_at - lead
                 if now < ready or (claimed_at is not None and claimed_at > ready):
                     ready = claimed_at or now
-                m.published.labels(self.backend, rec.queue).inc()
-                m.dispatch_lag.labels(self.backend).observe(seconds(now, ready))
+                counts[rec.queue] = counts.get(rec.queue, 0) + 1
+                lag.observe(seconds(now, ready))
+        for queue, n in counts.items():
+            self._queue_metrics(queue)[2].inc(n)
 
     def _db(self, fn: object, owner: str, ids: Sequence[object], **kw: object) -> int:
         with db_errors("mark"), self.app.engine.begin() as conn:
@@ -380,8 +528,10 @@ class Relay:
             if not lost and time.monotonic() - self._last_reconcile < self.reconcile_interval:
                 return 0
             if lost:
-                log.warning("the broker reports it may have lost messages (it restarted "
-                            "empty, or this is its first use); reconciling enqueued jobs now")
+                # INFO: on a broker's first use this is routine; the sweep
+                # warns if it finds messages actually missing.
+                log.info("the broker reports it may have lost messages (it restarted "
+                         "empty, or this is its first use); reconciling enqueued jobs now")
             self._last_reconcile = time.monotonic()
             self._sweeping, self._sweep = True, None
         requeued = 0
@@ -450,6 +600,7 @@ class Relay:
         expired registry rows (run by the heartbeat task)."""
         now = self.app.clock.now()
         snap = self.collector.collect(self.app.engine, now)
+        self.scale.observe_workers(snap.processes, self.collector.interval)
         if snap.expired_processes:
             with self.app.engine.begin() as conn:
                 prune(conn, now=now, names=snap.expired_processes)
@@ -515,6 +666,8 @@ class Relay:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer
             self._timer = None
+            with contextlib.suppress(DatabaseError):
+                await self._flush_marks(PassStats())
             await self._give_back_held()
             with contextlib.suppress(DatabaseError):
                 await asyncio.to_thread(self.scale.release)
