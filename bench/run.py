@@ -136,11 +136,12 @@ def summary(name: str, r: dict[str, Any]) -> str:
     if name == "relay":
         return (f"relay {r['relay']['rate']:,.0f} jobs/s, raw {r['raw']['rate']:,.0f} rows/s, "
                 f"ratio {r['ratio']:.2f}")
+    alone = (f", group commit off {r['alone']['rate']:,.0f} jobs/s" if "alone" in r else "")
     if name == "worker":
-        return (f"{r['rate']:,.0f} jobs/s, raw {r['raw']['rate']:,.0f} jobs/s, "
+        return (f"{r['rate']:,.0f} jobs/s{alone}, raw {r['raw']['rate']:,.0f} jobs/s, "
                 f"ratio {r['ratio']:.2f}, CPU {r['cpu_ms_per_job']:.2f} ms/job")
     if name == "pipeline":
-        return f"{r['rate']:,.0f} jobs/s, CPU {r['cpu_ms_per_job']:.2f} ms/job"
+        return f"{r['rate']:,.0f} jobs/s{alone}, CPU {r['cpu_ms_per_job']:.2f} ms/job"
     return (f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms, "
             f"early {r['early']}")
 
@@ -190,13 +191,17 @@ def sql_section(results: list[Measurement], plan: Plan, command: str,
     out += ["", "### Worker throughput (no-op handler, `Worker(app, concurrency=8)`)", "",
             "`sql://`: N due jobs, workers claim rows directly (no relay). "
             "`memory://`: relay + in-process broker + worker in one process. "
-            "Jobs/s from start until every job is SUCCEEDED; each job is its own "
-            "transaction (dedupe row, fenced completion, attempt row).  Raw = the `sql://` "
-            "worker's statements on the bare driver, freshly reloaded table (PostgreSQL: 8 "
-            "threads with a connection each; SQLite: one connection).  CPU ms/job = "
-            "process CPU time of the benchmark process ÷ N.", "",
-            "| path | database | N | jobs/s | raw jobs/s | worker ÷ raw | CPU ms/job | "
-            "raw CPU ms/job |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "Jobs/s from start until every job is SUCCEEDED, with the default group commit "
+            "(a backlog of short jobs runs up to 32 per transaction, each in its own "
+            "savepoint: docs/worker.md) and, in the same trial, with it off "
+            "(`group_commit=1`: each job its own transaction with its dedupe row, fenced "
+            "completion and attempt row).  Raw = the `sql://` worker's per-job statements "
+            "on the bare driver, one transaction per job, freshly reloaded table "
+            "(PostgreSQL: 8 threads with a connection each; SQLite: one connection).  CPU "
+            "ms/job = process CPU time of the benchmark process ÷ N.", "",
+            "| path | database | N | jobs/s | group commit off, jobs/s | raw jobs/s | "
+            "worker ÷ raw | CPU ms/job | off: CPU ms/job | raw CPU ms/job |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, label, ns in (("worker", "`sql://` worker", plan.worker_n),
                             ("pipeline", "relay + `memory://` + worker", plan.pipeline_n)):
         for db in ("postgresql", "sqlite"):
@@ -204,16 +209,20 @@ def sql_section(results: list[Measurement], plan: Plan, command: str,
             if m is None:
                 continue
             if not m.trials:
-                out.append(f"| {label} | {DB_LABEL[db]} | {ns[db]:,} | failed | | | | |")
+                out.append(f"| {label} | {DB_LABEL[db]} | {ns[db]:,} | failed | | | | | | |")
                 continue
             rates = [t["rate"] for t in m.trials]
             cpu = med_range([t["cpu_ms_per_job"] for t in m.trials], "{:.2f}")
             raw = [t["raw"]["rate"] for t in m.trials if "raw" in t]
             ratio = [t["ratio"] for t in m.trials if "ratio" in t]
             raw_cpu = [t["raw"]["cpu_ms_per_job"] for t in m.trials if "raw" in t]
+            alone = [t["alone"]["rate"] for t in m.trials if "alone" in t]
+            alone_cpu = [t["alone"]["cpu_ms_per_job"] for t in m.trials if "alone" in t]
             out.append(f"| {label} | {DB_LABEL[db]} | {ns[db]:,} | {med_range(rates)} | "
+                       f"{med_range(alone) if alone else '—'} | "
                        f"{med_range(raw) if raw else '—'} | "
                        f"{med_range(ratio, '{:.2f}') if ratio else '—'} | {cpu} | "
+                       f"{med_range(alone_cpu, '{:.2f}') if alone_cpu else '—'} | "
                        f"{med_range(raw_cpu, '{:.2f}') if raw_cpu else '—'} |")
 
     out += ["", "### Lateness on `sql://`", "",

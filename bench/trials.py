@@ -278,9 +278,10 @@ async def _until(pred: Any, limit: float) -> None:
         await asyncio.sleep(0.002)
 
 
-async def time_worker(app: duebox.Duebox, n: int, with_relay: bool) -> dict[str, Any]:
+async def time_worker(app: duebox.Duebox, n: int, with_relay: bool,
+                      group_commit: int | None = None) -> dict[str, Any]:
     stop = asyncio.Event()
-    worker = Worker(app, concurrency=8)
+    worker = Worker(app, concurrency=8, group_commit=group_commit)
     check_reachable(app.engine)
     t0 = time.perf_counter()
     tasks = [asyncio.create_task(worker.run(stop))]
@@ -297,7 +298,8 @@ async def time_worker(app: duebox.Duebox, n: int, with_relay: bool) -> dict[str,
     got = counts(app)
     assert got == {"SUCCEEDED": n}, f"worker left {got}"
     out: dict[str, Any] = {"seconds": elapsed, "rate": n / elapsed,
-                           "discarded": dict(worker.stats.discarded)}
+                           "discarded": dict(worker.stats.discarded),
+                           "grouped": worker.stats.grouped}
     if relay is not None:
         out["relay_passes"] = relay.totals.passes
     return out
@@ -436,6 +438,14 @@ def worker_trial(url: str, n: int, pipeline: bool) -> dict[str, Any]:
     cpu = time.process_time()
     result = asyncio.run(time_worker(app, n, with_relay=pipeline))
     result["cpu_ms_per_job"] = (time.process_time() - cpu) / n * 1000.0
+    app.dispose()
+    # The same with group commit off: every job a transaction of its own.
+    fresh_schema(url)
+    app = make_app(url, broker_url.replace("pipe-", "alone-"))
+    load_due(app, n, due_now())
+    cpu = time.process_time()
+    result["alone"] = asyncio.run(time_worker(app, n, with_relay=pipeline, group_commit=1))
+    result["alone"]["cpu_ms_per_job"] = (time.process_time() - cpu) / n * 1000.0
     app.dispose()
     if not pipeline:
         fresh_schema(url)

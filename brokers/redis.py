@@ -73,6 +73,10 @@ _OWN_PARAMS = ("prefix", "horizon", "group", "claim_idle", "max_delay")
 _MOVE_LIMIT = 1000  # members per mover call: bounds the time a script blocks Redis
 _PUBLISH_CHUNK = 1000
 _IDLE_WAKE = 1.0  # the mover looks at least this often, in case a wake was missed
+# The mover hands a parked job to its stream this long before its score: the
+# stream read and the worker's version-checked start take about that, and the
+# worker holds the handler to the due time (never early: consumers/worker.py).
+_MOVE_LEAD_MS = 5.0
 _PRUNE_EVERY = 600.0  # seconds between sweeps for consumers that left long ago
 
 # KEYS: due, msg, ready, held.  ARGV: now_ms, wake channel, then (id, version,
@@ -655,11 +659,11 @@ class RedisBroker(Broker):
             while True:
                 now_ms = self.context.clock.now().timestamp() * 1000.0
                 moved, head = await self._run("move", [k.due, k.msg, k.ready, k.held],
-                                              [math.floor(now_ms), _MOVE_LIMIT])
+                                              [math.floor(now_ms + _MOVE_LEAD_MS), _MOVE_LIMIT])
                 if int(moved) < _MOVE_LIMIT:
                     break
             if head is not None:
-                wait = min(wait, (float(head) - now_ms) / 1000.0)
+                wait = min(wait, (float(head) - _MOVE_LEAD_MS - now_ms) / 1000.0)
         return max(0.0, wait)
 
     # --- settling a delivery ------------------------------------------------------

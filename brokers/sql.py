@@ -22,16 +22,27 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import os
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timedelta
 
 from duebox import jobstore
 from duebox.db import PgWaker, db_errors, parse_database_url
-from duebox.errors import BrokerError, DatabaseError
+from duebox.errors import BrokerError, ConfigurationError, DatabaseError
+from duebox.fair_claim import DispatchPolicy, FairPicker
 
 from ._common import number
 from ._waiting import wait_any
 from .base import Broker, BrokerContext, Capabilities, Delivery, Outgoing, PublishResult
+
+# Claimed jobs a worker may hold (due or not): a lookahead's worth at the rate
+# a worker runs them, few enough that one worker does not hoard what an idle
+# one could start.
+_HOLD_LIMIT = 1_024
+# Rows per claim at most: turning a claim's rows into records holds the GIL,
+# and a claim of hundreds kept due jobs waiting for the event loop for tens
+# of milliseconds; several smaller claims interleave with the hand-offs.
+_CLAIM_MOST = 128
 
 
 class SQLBroker(Broker):
@@ -54,6 +65,17 @@ class SQLBroker(Broker):
         self._freed = asyncio.Event()
         self._seq = itertools.count()
         self.lookahead = number(self.params, "lookahead", 0.25, low=0.0, high=60.0)
+        # Workers claim rows themselves here, so the dispatch policy (the
+        # relay's on other backends) shapes their claim: priority, fair
+        # shares, aging, quotas and rate limits, shared through the database.
+        policy = DispatchPolicy.configured(context.settings)
+        self.fair = FairPicker(policy) if policy.enabled else None
+        shards = os.environ.get("DUEBOX_SHARDS", "").strip()
+        if shards not in ("", "0"):
+            raise ConfigurationError(
+                f"DUEBOX_SHARDS={shards!r}: sharding fences a relay's claim for a broker; "
+                "on sql:// workers claim rows from the job table themselves and are not "
+                "sharded (SKIP LOCKED partitions the rows between them): unset DUEBOX_SHARDS")
 
     async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
         raise BrokerError("sql:// has no publish step: workers claim rows from the job table")
@@ -98,22 +120,30 @@ class SQLBroker(Broker):
         await waker.start()
         try:
             while True:
-                # Up to ``prefetch`` more claimed than running, topped up in
-                # batches of at least half of it: a claim per freed slot
-                # would cost a transaction per job.
-                room = 2 * prefetch - self._in_flight - len(held)
-                if room <= 0 or (held and room < max(1, prefetch // 2)):
+                # Up to what the worker wants in hand (default: ``prefetch``
+                # more due-and-claimed than running), topped up in batches of
+                # at least a quarter of it: a claim per freed slot would cost
+                # a transaction per job.  Jobs claimed ahead of their due time
+                # wait on the timer, not for a slot, so they count only
+                # against the hold limit: at 2,000 jobs/s a 0.25 s lookahead
+                # holds 500 of them.
+                cap = self.wanted() if self.wanted is not None else 2 * prefetch
+                now = ctx.clock.now()
+                ready = sum(1 for h in held if h[0] <= now)
+                room = min(cap - self._in_flight - ready, _HOLD_LIMIT - len(held))
+                if room <= 0 or (held and room < max(1, cap // 4)):
                     await wait_any(ctx.settings.poll_interval, self._freed)
                     self._freed.clear()
                     continue
                 owner = f"{ctx.worker_name}#{next(self._seq)}"
                 claimed_at = ctx.clock.now()  # no later than the claim itself
-                records, wake_in = await asyncio.to_thread(self._claim, owner, room, queues)
+                limit = min(room, _CLAIM_MOST)
+                records, wake_in = await asyncio.to_thread(self._claim, owner, limit, queues)
                 for rec in records:
                     heapq.heappush(held, (rec.due_at, next(self._seq), rec, claimed_at))
                 if records:
                     fresh.set()
-                if len(records) == room:
+                if len(records) == limit:
                     continue
                 # Fewer jobs were due than slots were free, so a slot freed now
                 # changes nothing: sleep until the next claim (the lookahead
@@ -139,17 +169,32 @@ class SQLBroker(Broker):
         ahead = timedelta(seconds=self.lookahead)
         with db_errors("claim"), ctx.engine.begin() as conn:
             now = ctx.clock.now()
+            ids = None
+            if self.fair is not None:
+                ids = self.fair.pick(conn, horizon=now + ahead, after=None, now=now,
+                                     limit=limit, queues=queues or None)
             records = jobstore.claim_for_run(
                 conn, owner=owner, now=now, limit=limit, horizon=now + ahead,
                 lease_until=now + ahead + timedelta(seconds=ctx.settings.lease_seconds),
-                queues=queues or None, worker=ctx.worker_name,
+                queues=queues or None, worker=ctx.worker_name, ids=ids,
             )
             if len(records) == limit:
                 return records, 0.0
+            if self.fair is not None and self.fair.last.throttled:
+                # Due jobs wait for tokens: sleep until a bucket refills, not
+                # a busy loop on the next due time (already past).
+                return records, self.fair.last.wait
             due = jobstore.next_due(conn)
         if due is None:
             return records, float("inf")
-        return records, max(0.0, (due - ahead - ctx.clock.now()).total_seconds())
+        wait = max(0.0, (due - ahead - ctx.clock.now()).total_seconds())
+        if wait == 0.0:
+            # Due, yet not claimed: rows another claim held locked, a queue
+            # this worker does not consume, or (fair claim) a class newer
+            # than the last walk (rediscovered every class_refresh).  Look
+            # again in 50 ms rather than spin; a NOTIFY still wakes it.
+            wait = 0.05
+        return records, wait
 
     async def ack(self, delivery: Delivery) -> None:
         self._in_flight = max(0, self._in_flight - 1)

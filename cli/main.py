@@ -117,12 +117,17 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
 @click.option("--concurrency", envvar="DUEBOX_CONCURRENCY", type=click.IntRange(1, 10_000),
               default=None,
               help="Jobs run at once. [env DUEBOX_CONCURRENCY]")
+@click.option("--group-commit", envvar="DUEBOX_GROUP_COMMIT", type=click.IntRange(1, 1_000),
+              default=None,
+              help="Most short jobs run in one transaction under a backlog, each in its own "
+                   "savepoint; 1 turns it off. [env DUEBOX_GROUP_COMMIT, default 32]")
 @click.option("--queue", "queues", envvar="DUEBOX_QUEUES", multiple=True,
               help="Queue to consume (repeatable; default: every registered task's queue). "
                    "[env DUEBOX_QUEUES, space-separated]")
 def worker(app_spec: str | None, database_url: str | None, broker_url: str | None,
            metrics_port: int | None, metrics_host: str,
-           concurrency: int | None, queues: tuple[str, ...]) -> None:
+           concurrency: int | None, group_commit: int | None,
+           queues: tuple[str, ...]) -> None:
     """Run handlers for delivered jobs."""
     from duebox.consumers import Worker
 
@@ -131,7 +136,8 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     app = load_app(app_spec, database_url, broker_url)
     if not app.tasks:
         raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
-    w = Worker(app, queues=list(queues) or None, concurrency=concurrency)
+    w = Worker(app, queues=list(queues) or None, concurrency=concurrency,
+               group_commit=group_commit)
     click.echo(f"worker {w.name}: queues {', '.join(w.queues)}", err=True)
     _serve_metrics(metrics_port, metrics_host)
     run_until_signalled(w.run)

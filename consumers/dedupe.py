@@ -26,10 +26,10 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import bindparam
+from sqlalchemy import bindparam, delete
 
 from duebox.clock import utcnow
 from duebox.db import create_async_engine_for, insert_if_absent
@@ -82,6 +82,25 @@ class SQLDedupeStore:
                 ["consumer", "message_id"],
             )
         return stmt, {"d_message_id": message_id, "d_now": now}
+
+    def claim_many(self, conn: Any, message_ids: Sequence[str], now: Any) -> set[str]:
+        """Insert-if-absent several ids in ``conn``'s transaction (one
+        statement where the dialect returns what it inserted); the ids
+        inserted now, i.e. not seen before."""
+        dialect = conn.dialect.name
+        stmt, _ = self.claim_bound(dialect, "", now)
+        if dialect in ("postgresql", "sqlite"):
+            rows = [{"d_message_id": m, "d_now": now} for m in message_ids]
+            return set(conn.execute(stmt.returning(processed.c.message_id), rows).scalars())
+        return {m for m in message_ids
+                if conn.execute(stmt, {"d_message_id": m, "d_now": now}).rowcount == 1}
+
+    def forget_many(self, conn: Any, message_ids: Sequence[str]) -> None:
+        """Drop seen-rows this transaction inserted for messages whose handler
+        did not complete (failed, or given back unrun)."""
+        if message_ids:
+            conn.execute(delete(processed).where(processed.c.consumer == self.consumer,
+                                                 processed.c.message_id.in_(list(message_ids))))
 
     def claim_stmt(self, dialect: str, message_id: str, now: Any) -> Any:
         """An insert-if-absent whose row count is 1 the first time only."""

@@ -13,9 +13,10 @@ import traceback
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -23,7 +24,7 @@ from duebox import dlq, jobstore
 from duebox.db import SQLITE_DEFERRED, db_errors
 from duebox.errors import DatabaseError, LeaseLostError
 from duebox.failures import FailureClass, Verdict
-from duebox.tasks import JobContext, Task
+from duebox.tasks import JobContext, JobControl, Task
 
 from .dedupe import SQLDedupeStore
 
@@ -125,13 +126,7 @@ class Execution:
     # --- running -----------------------------------------------------------------
 
     def context(self, session: Any) -> JobContext:
-        rec = self.rec
-        return JobContext(
-            job_id=rec.id, task=rec.task, queue=rec.queue, attempt=rec.attempt,
-            version=rec.version, due_at=rec.due_at, key=rec.key, tenant=rec.tenant,
-            session=session, worker=self.worker, lease_generation=rec.lease_generation,
-            checkpoint_state=rec.checkpoint, control=self,
-        )
+        return job_context(self.rec, session, self.worker, self)
 
     async def run(self) -> Outcome:
         beat = asyncio.create_task(self._beat())
@@ -232,28 +227,9 @@ class Execution:
 
     def settle(self, verdict: Verdict, error: str) -> Outcome:
         """Record the failed attempt and move the job on: retry later, or DEAD."""
-        rec, now = self.rec, self.app.clock.now()
-        cls = verdict.failure_class
-        retry = cls != FailureClass.PERMANENT and rec.attempt < rec.max_attempts
-        delay = self.task.retry.delay_for(rec.attempt, verdict) if retry else None
         with db_errors("record failure"), self.app.engine.begin() as conn:
-            if delay is not None:
-                due = now + timedelta(seconds=delay)
-                moved = conn.execute(jobstore.retry_stmt(rec, now, due, cls, error))
-            else:
-                moved = conn.execute(jobstore.dead_stmt(rec, now, cls, error))
-            if moved.rowcount != 1:
-                log.warning("job %s: failure not recorded, the lease moved on", rec.id)
-                return Outcome("lease_lost", cls)
-            conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", cls, error))
-            if delay is None:
-                dlq.quarantine_if_repeated(conn, rec.id, cls, error, now)
-        if delay is not None:
-            log.info("job %s attempt %d failed (%s); retry in %.1fs", rec.id, rec.attempt, cls,
-                     delay)
-            return Outcome("retried", cls, delay)
-        log.warning("job %s dead after attempt %d (%s): %s", rec.id, rec.attempt, cls, error)
-        return Outcome("dead", cls)
+            return record_failure(conn, self.task, self.rec, verdict, error,
+                                  self.app.clock.now())
 
     async def _beat(self) -> None:
         while True:
@@ -267,3 +243,44 @@ class Execution:
                 log.warning("job %s: the lease is gone (cancelled or taken over); "
                             "ctx.cancelled is now set", self.rec.id)
                 return
+
+
+def still_leased(app: Duebox, records: list[jobstore.JobRecord]) -> list[bool]:
+    """Read the jobs again: each still this lease's and this version's?"""
+    with db_errors("re-read"), app.engine.connect() as conn:
+        held = jobstore.lease_states(conn, records)
+    return [held[r.id] == "held" for r in records]
+
+
+def job_context(rec: jobstore.JobRecord, session: Any, worker: str,
+                control: JobControl) -> JobContext:
+    return JobContext(
+        job_id=rec.id, task=rec.task, queue=rec.queue, attempt=rec.attempt,
+        version=rec.version, due_at=rec.due_at, key=rec.key, tenant=rec.tenant,
+        session=session, worker=worker, lease_generation=rec.lease_generation,
+        checkpoint_state=rec.checkpoint, control=control,
+    )
+
+
+def record_failure(conn: Connection, task: Task, rec: jobstore.JobRecord, verdict: Verdict,
+                   error: str, now: datetime) -> Outcome:
+    """In ``conn``'s transaction: record the failed attempt and move the job
+    on, fenced by its lease: retry later with a new version, or DEAD."""
+    cls = verdict.failure_class
+    retry = cls != FailureClass.PERMANENT and rec.attempt < rec.max_attempts
+    delay = task.retry.delay_for(rec.attempt, verdict) if retry else None
+    if delay is not None:
+        due = now + timedelta(seconds=delay)
+        moved = conn.execute(jobstore.retry_stmt(rec, now, due, cls, error))
+    else:
+        moved = conn.execute(jobstore.dead_stmt(rec, now, cls, error))
+    if moved.rowcount != 1:
+        log.warning("job %s: failure not recorded, the lease moved on", rec.id)
+        return Outcome("lease_lost", cls)
+    conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", cls, error))
+    if delay is None:
+        dlq.quarantine_if_repeated(conn, rec.id, cls, error, now)
+        log.warning("job %s dead after attempt %d (%s): %s", rec.id, rec.attempt, cls, error)
+        return Outcome("dead", cls)
+    log.info("job %s attempt %d failed (%s); retry in %.1fs", rec.id, rec.attempt, cls, delay)
+    return Outcome("retried", cls, delay)

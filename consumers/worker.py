@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -39,8 +40,11 @@ from duebox.message import check_stored_payload
 from duebox.metrics import Metrics, process_metrics, seconds
 from duebox.tasks import Task
 
+from .batched import Batched
 from .dedupe import SQLDedupeStore
-from .execution import Execution, Outcome, Pools
+from .execution import Execution, Outcome, Pools, still_leased
+from .group_commit import Executors, group_commit_budget
+from .starts import Starts
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -66,6 +70,8 @@ class WorkerStats:
     duplicates: int = 0
     lease_lost: int = 0
     deferred: int = 0
+    grouped: int = 0  # jobs run in a group-commit transaction with others
+    throttled: int = 0  # failures classed as throttled (the relay slows down on them)
     discarded: Counter[str] = field(default_factory=Counter)
 
 
@@ -81,6 +87,7 @@ class Worker:
         dedupe: SQLDedupeStore | None = None,
         metrics: Metrics | None = None,
         heartbeat_interval: float = 5.0,
+        group_commit: int | None = None,
     ) -> None:
         self.app = app
         self.name = name or process_token("worker")
@@ -91,7 +98,20 @@ class Worker:
         self.pools = Pools.default()
         self.dedupe = dedupe or SQLDedupeStore()
         self.stats = WorkerStats()
-        self._slots = asyncio.Semaphore(self.concurrency)
+        self.group_commit = group_commit or app.settings.group_commit
+        self.executors = Executors(app, self.name, self.dedupe, lambda: self.pools,
+                                   self.concurrency, self.group_commit, self._grouped,
+                                   lambda rec: self.rereads.call(rec))
+        self.starts = Starts(app, self.name, lambda: self.pools)
+        self.rereads: Batched[jobstore.JobRecord, bool] = Batched(
+            "re-reading", functools.partial(still_leased, app), lambda: self.pools)
+        # A broker buffers up to ``prefetch`` unacknowledged messages for
+        # this worker; with group commit a few per executor, so a group can
+        # form from those that wait while all executors are busy.
+        self.prefetch = self.concurrency * (1 + min(3, self.group_commit - 1))
+        self._in_hand = 0
+        self._room = asyncio.Event()
+        self.broker.wanted = self.wanted
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics or process_metrics()
         self.backend = self.broker.capabilities.name
@@ -118,6 +138,13 @@ class Worker:
             stopper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
+            # Jobs taken in but not started by an executor go back now, not
+            # after their leases (a broker's message is acked: the relay
+            # publishes the job again).
+            waiting = self.executors.release_waiting()
+            if waiting:
+                with contextlib.suppress(DatabaseError):
+                    await self.pools.db(self._give_back, waiting)
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.heartbeat.stop(beating)
@@ -129,8 +156,11 @@ class Worker:
         backoff = 0.1
         while True:
             try:
-                async for delivery in self.broker.consume(self.queues, self.concurrency):
-                    await self._slots.acquire()
+                async for delivery in self.broker.consume(self.queues, self.prefetch):
+                    while self._in_hand >= self.wanted():
+                        self._room.clear()
+                        await self._room.wait()
+                    self._in_hand += 1
                     t = asyncio.create_task(self._guarded(delivery))
                     self._tasks.add(t)
                     t.add_done_callback(self._tasks.discard)
@@ -155,7 +185,8 @@ class Worker:
                 else:
                     await self.broker.defer(delivery, _RETRY_DELIVERY_SECONDS)
         finally:
-            self._slots.release()
+            self._in_hand -= 1
+            self._room.set()
 
     # --- one delivery ----------------------------------------------------------
 
@@ -184,7 +215,7 @@ class Worker:
             # ahead, to cover the hand-over) is started now, version-checked
             # and leased, and its handler held below: the round trip is done
             # by the due time instead of after it.
-            rec, reason = await self.pools.db(self._start, delivery, max(0.0, early))
+            rec, reason = await self.starts.start(msg, max(0.0, early))
             if rec is None:
                 if reason == "not_due":
                     self.stats.deferred += 1
@@ -194,23 +225,28 @@ class Worker:
                     self._discard(reason)
                     await self.broker.reject(delivery, reason)
                 return
+        if obtained is not None and obtained < rec.due_at - _REREAD_LEAD:
+            # Leased well before its due time: a cancel or a takeover since
+            # then must still win, so the job is read again — a round trip
+            # before the due time, not after it (the window left is the one
+            # every start has between its check and the handler; a cancel
+            # landing there finds the completion fenced and rolls the
+            # writes back).
+            await _hold_until(clock, rec.due_at - _REREAD_LEAD)
+            if not await self.rereads.call(rec):
+                self._discard("cancelled")
+                await self.broker.ack(delivery)
+                return
+            obtained = clock.now()
         await _hold_until(clock, rec.due_at)
-        # Leased before its due time (or long before now): a cancel or a
-        # takeover since then must still win (version-checked execution reads
-        # the job again right before running it).
-        if (obtained is not None and _must_reread(obtained, rec.due_at, clock.now())
-                and not await self.pools.db(self._still_leased, rec)):
-            self._discard("cancelled")
-            await self.broker.ack(delivery)
-            return
         started = clock.now()
-        self._observe_start(rec, started)
         try:
             task = self.app.get_task(rec.task)
             check_stored_payload(rec.payload)
         except ValidationError as exc:
             # Nothing here can run it (no such task, or a stored payload that
             # is not JSON): dead-letter it with the reason.
+            self._observe_start(rec, started)
             orphan = Task(name=rec.task, fn=_no_handler, queue=rec.queue)
             outcome = await self.pools.db(
                 Execution(self.app, orphan, rec, self.name, self.dedupe, self.pools).settle,
@@ -224,8 +260,26 @@ class Worker:
             self._discard("expired")
             await self.broker.ack(delivery)
             return
-        await self._execute(task, rec, started)
+        await self._execute(task, rec, obtained)
         await self.broker.ack(delivery)
+
+    def wanted(self) -> int:
+        """Deliveries to have in hand (started or claimed, running or waiting
+        for an executor).  With group commit, as many more per executor as
+        it runs in its 50 ms group budget at the handlers' recent pace, at
+        least one and at most ``group_commit``: short handlers get full
+        groups, slow ones wait no longer than a handler each (their leases
+        are renewed meanwhile)."""
+        extra = 0
+        if self.group_commit > 1:
+            pace = self.executors.pace
+            extra = (1 if pace is None
+                     else max(1, min(self.group_commit, int(group_commit_budget() / pace))))
+        return self.concurrency * (1 + extra)
+
+    def _grouped(self, size: int) -> None:
+        self.stats.grouped += size
+        self.metrics.group_size.labels(self.backend).observe(size)
 
     def _discard(self, reason: str) -> None:
         self.stats.discarded[reason] += 1
@@ -234,32 +288,24 @@ class Worker:
             self.stats.duplicates += 1
             self.metrics.duplicates.labels(self.backend, reason).inc()
 
-    def _start(self, delivery: Delivery, ahead: float) -> tuple[jobstore.JobRecord | None, str]:
-        assert delivery.message is not None
-        s = self.app.settings
-        with db_errors("start"), self.app.engine.begin() as conn:
-            now = self.app.clock.now()
-            rec = jobstore.start(
-                conn, message=delivery.message, owner=f"{self.name}#{delivery.message.job_id}",
-                now=now, lease_until=now + timedelta(seconds=s.lease_seconds + ahead),
-                worker=self.name, ahead=ahead,
-            )
-            if rec is not None:
-                return rec, "started"
-            return None, jobstore.why_not_started(
-                conn, delivery.message, now + timedelta(seconds=ahead))
-
-    def _still_leased(self, rec: jobstore.JobRecord) -> bool:
-        with db_errors("re-read"), self.app.engine.connect() as conn:
-            return jobstore.still_leased(conn, rec)
+    def _give_back(self, records: list[jobstore.JobRecord]) -> None:
+        with db_errors("give back"), self.app.engine.begin() as conn:
+            jobstore.unclaim_run(conn, records=records, now=self.app.clock.now())
 
     def _expire(self, rec: jobstore.JobRecord) -> None:
         with self.app.engine.begin() as conn:
             jobstore.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
                             now=self.app.clock.now())
 
-    async def _execute(self, task: Task, rec: jobstore.JobRecord, started: datetime) -> None:
-        outcome = await Execution(self.app, task, rec, self.name, self.dedupe, self.pools).run()
+    async def _execute(self, task: Task, rec: jobstore.JobRecord,
+                       leased: datetime | None) -> None:
+        outcome, started = await self.executors.run(task, rec, leased)
+        if outcome.status == "released":  # stopping: given back, never started
+            return
+        if outcome.status == "cancelled":  # seen under the group's lock, before it ran
+            self._discard("cancelled")
+            return
+        self._observe_start(rec, started)
         self._observe_outcome(rec, outcome, started)
         st = self.stats
         if outcome.status == "succeeded":
@@ -271,6 +317,7 @@ class Worker:
             st.lease_lost += 1
         else:
             st.failed += 1
+            st.throttled += outcome.failure_class == FailureClass.THROTTLED
             st.retried += outcome.status == "retried"
             st.dead += outcome.status == "dead"
 
@@ -281,7 +328,8 @@ class Worker:
         st = self.stats
         return {"role": "worker", "backend": self.backend, "queues": self.queues,
                 "concurrency": self.concurrency, "received": st.received,
-                "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead}
+                "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
+                "throttled": st.throttled}
 
     def _observe_start(self, rec: jobstore.JobRecord, started: datetime) -> None:
         m, labels = self.metrics, (self.backend, rec.queue)
@@ -320,12 +368,9 @@ async def _hold_until(clock: Clock, due_at: datetime) -> None:
         await clock.sleep(wait)
 
 
-# A lease older than this when its handler starts is read again first.
-_REREAD_AFTER = timedelta(milliseconds=500)
-
-
-def _must_reread(obtained: datetime, due_at: datetime, now: datetime) -> bool:
-    return obtained < due_at or now - obtained > _REREAD_AFTER
+# A job leased before its due time is read again this long before it: about
+# a round trip to the database.
+_REREAD_LEAD = timedelta(milliseconds=3)
 
 
 def _no_handler(payload: Any, ctx: Any) -> None:  # pragma: no cover - never called

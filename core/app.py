@@ -22,13 +22,15 @@ from .producer import (
     aware,
     cancel_steps,
     check_optional_str,
-    check_payload,
     check_priority,
     check_size,
+    copy_capable,
     dialect_of,
     drive,
+    encode_json,
     insert_many_steps,
     insert_steps,
+    json_size,
     reschedule_steps,
     resolve_due,
 )
@@ -136,6 +138,7 @@ class Duebox:
         validate: Callable[[Any], None] | None = None,
         max_lateness: float | None = None,
         mask: Callable[[Any], Any] | None = None,
+        group_commit: bool = True,
     ) -> Callable[[F], F]:
         """Register ``fn(payload, ctx)`` (sync or async) as task ``name``.
 
@@ -147,6 +150,8 @@ class Duebox:
         due time (an outage) is EXPIRED by the relay instead of run late.
         ``mask(payload)`` returns the payload as people may see it (the
         dashboard shows that, never the raw payload).
+        ``group_commit=False``: each job runs in a transaction of its own, never
+        shared with other jobs' (see docs/worker.md, "Group commit").
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
@@ -156,6 +161,8 @@ class Duebox:
                                          or isinstance(max_lateness, bool) or max_lateness <= 0):
             raise ConfigurationError(
                 f"max_lateness: must be a number of seconds > 0 (got {max_lateness!r})")
+        if not isinstance(group_commit, bool):
+            raise ConfigurationError(f"group_commit: must be True or False (got {group_commit!r})")
         classifier = (classify if isinstance(classify, Classifier)
                       else DEFAULT_CLASSIFIER.extend(classify or {}))
 
@@ -164,7 +171,7 @@ class Duebox:
                 name=name, fn=fn, queue=queue, max_attempts=max_attempts,
                 retry=retry or RetryPolicy(), lease_seconds=lease_seconds,
                 classifier=classifier, timeout=timeout, validate=validate,
-                max_lateness=max_lateness, mask=mask,
+                max_lateness=max_lateness, mask=mask, group_commit=group_commit,
             )
             return fn
 
@@ -210,22 +217,26 @@ class Duebox:
         """Validate one job's arguments; raises :class:`ValidationError` naming the field."""
         task = self.get_task(name)
         due_at = resolve_due(self.clock.now(), at, delay)
-        size = check_payload(payload)
+        payload_json = encode_json(payload)
+        size = json_size(payload_json)
         check_optional_str("key", key, 400)
         check_optional_str("tenant", tenant, 200)
         check_priority(priority)
         expires = aware("expires_at", expires_at) if expires_at is not None else None
         if expires is not None and expires <= due_at:
             raise ValidationError("expires_at", "must be later than the job's due time", expires_at)
+        headers_json = None
         if headers is not None:
             if not isinstance(headers, dict):
                 raise ValidationError("headers", "must be a dict", headers)
-            size += check_payload(headers, "headers")
+            headers_json = encode_json(headers, "headers")
+            size += json_size(headers_json)
         check_size(size, *self.payload_limit())
         return NewJob(
             task=name, queue=task.queue, payload=payload, due_at=due_at,
             max_attempts=task.max_attempts, key=key, priority=priority, tenant=tenant,
-            expires_at=expires, headers=headers,
+            expires_at=expires, headers=headers, payload_json=payload_json,
+            headers_json=headers_json,
         )
 
     def schedule(
@@ -264,8 +275,9 @@ class Duebox:
                 raise ValidationError(f"jobs[{i}]", "must be built with app.new_job()", new)
             if new.key is not None:
                 raise ValidationError(f"jobs[{i}].key", "keys need app.schedule(), one by one")
+        copy = dialect == "postgresql" and copy_capable(session)
         return drive(session, insert_many_steps(jobs, dialect, self.clock.now(),
-                                                self.settings.notify))
+                                                self.settings.notify, copy))
 
     def cancel(
         self, session: Target, job_id: uuid.UUID | str, *, operator: str | None = None,

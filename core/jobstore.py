@@ -23,16 +23,22 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     and_,
+    any_,
     bindparam,
     case,
     delete,
     func,
+    literal,
     or_,
     select,
+    true,
+    tuple_,
     update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import Select, Update
 
+from .errors import LeaseLostError
 from .ids import uuid7
 from .message import JobMessage
 from .states import LEASED_STATES, STARTABLE_STATES, JobState
@@ -114,6 +120,19 @@ def _claim_candidates(
     # by priority happens over that range.
     order = (job.c.priority.desc(), job.c.due_at) if priority_first else (job.c.due_at,)
     return stmt.order_by(*order).limit(limit).with_for_update(skip_locked=True)
+
+
+def _update_candidates(conn: Connection, stmt: Update, candidates: Select[Any]) -> int:
+    """Run ``stmt`` on the ``candidates`` rows; the number of rows changed.
+
+    MySQL/MariaDB reject ``IN (SELECT ... LIMIT ...)`` (error 1235), so there
+    the candidates are locked and read first and the update names them: the
+    same rows, locked by this transaction, so nothing changes them between
+    the two statements."""
+    if conn.dialect.name not in ("mysql", "mariadb"):
+        return conn.execute(stmt.where(job.c.id.in_(candidates))).rowcount
+    ids = list(conn.execute(candidates).scalars())
+    return conn.execute(stmt.where(job.c.id.in_(ids))).rowcount if ids else 0
 
 
 def _claim(
@@ -263,12 +282,14 @@ def expire_overdue(
     for condition in _too_late(now, lateness):
         candidates = _claim_candidates(
             and_(job.c.state == JobState.SCHEDULED, job.c.due_at <= now, condition), limit)
-        total += conn.execute(
-            update(job).where(job.c.id.in_(candidates), job.c.state == JobState.SCHEDULED)
+        total += _update_candidates(
+            conn,
+            update(job).where(job.c.state == JobState.SCHEDULED)
             .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
                     finished_at=now, updated_at=now, error_class="expired",
-                    last_error="too late: past expires_at or the task's max_lateness")
-        ).rowcount
+                    last_error="too late: past expires_at or the task's max_lateness"),
+            candidates,
+        )
     return total
 
 
@@ -295,12 +316,11 @@ def recover(
     cutoff = now - timedelta(seconds=margin)
     free = {"lease_owner": None, "lease_until": None, "updated_at": now}
 
-    dispatching = conn.execute(
-        update(job)
-        .where(job.c.id.in_(_claim_candidates(
-            and_(job.c.state == JobState.DISPATCHING, job.c.lease_until < cutoff), limit)))
-        .values(state=JobState.SCHEDULED, **free)
-    ).rowcount
+    dispatching = _update_candidates(
+        conn, update(job).values(state=JobState.SCHEDULED, **free),
+        _claim_candidates(
+            and_(job.c.state == JobState.DISPATCHING, job.c.lease_until < cutoff), limit),
+    )
 
     lost_ids = list(conn.execute(_claim_candidates(
         and_(job.c.state == JobState.RUNNING, job.c.lease_until < cutoff), limit)).scalars())
@@ -331,13 +351,12 @@ def recover(
     # recovery pass of every relay republished every overdue job once a backlog
     # passed redeliver_after, and the duplicates deepened the backlog (the soak
     # saw 23,706 messages queued for 2,400 jobs).
-    enqueued = conn.execute(
-        update(job)
-        .where(job.c.id.in_(_claim_candidates(
+    enqueued = _update_candidates(
+        conn, update(job).values(state=JobState.SCHEDULED, **free),
+        _claim_candidates(
             and_(job.c.state == JobState.ENQUEUED, job.c.due_at < stale,
-                 or_(job.c.published_at.is_(None), job.c.published_at < stale)), limit)))
-        .values(state=JobState.SCHEDULED, **free)
-    ).rowcount
+                 or_(job.c.published_at.is_(None), job.c.published_at < stale)), limit),
+    )
     return Recovered(dispatching, running, dead, enqueued)
 
 
@@ -393,18 +412,90 @@ def next_due(conn: Connection) -> datetime | None:
     ).scalar()
 
 
+def mark_and_claim(
+    conn: Connection, *, marks: Sequence[tuple[str, Sequence[uuid.UUID]]], owner: str,
+    horizon: datetime, limit: int, now: datetime, lease_until: datetime,
+    after: datetime | None = None, priority_first: bool = False,
+    fence: ColumnElement[bool] | None = None,
+) -> tuple[list[int], list[JobRecord]]:
+    """:func:`mark_enqueued` for each ``(owner, ids)`` of ``marks`` (batches
+    the broker confirmed), then :func:`claim_for_dispatch`, on the caller's
+    connection; returns the rows each mark changed and the claimed records.
+
+    The pipelined relay's one round trip per batch.  On PostgreSQL the first
+    mark and the claim are one statement (data-modifying CTEs); the mark is
+    fenced exactly as :func:`mark_enqueued`'s (state, the claim's owner,
+    ``fence``), and the two touch disjoint rows (DISPATCHING and ours vs.
+    SCHEDULED), so they cannot interfere.  Other dialects: the plain
+    statements, one after another."""
+    counts = [0] * len(marks)
+    todo = [i for i, (_, ids) in enumerate(marks) if ids]
+    if conn.dialect.name != "postgresql" or not todo:
+        for i in todo:
+            counts[i] = mark_enqueued(conn, owner=marks[i][0], ids=marks[i][1], now=now,
+                                      fence=fence)
+        return counts, claim_for_dispatch(
+            conn, owner=owner, horizon=horizon, limit=limit, now=now, lease_until=lease_until,
+            after=after, priority_first=priority_first, fence=fence)
+    first, rest = todo[0], todo[1:]
+    for i in rest:
+        counts[i] = mark_enqueued(conn, owner=marks[i][0], ids=marks[i][1], now=now,
+                                  fence=fence)
+    mark_owner, mark_ids = marks[first]
+    # One array parameter, not an IN list of 500: the statement text stays
+    # the same, so neither SQLAlchemy nor psycopg re-renders or re-parses it.
+    ids = bindparam("mark_ids", list(mark_ids), type_=postgresql.ARRAY(job.c.id.type))
+    marked = (_mark_stmt(mark_owner, now, fence).where(job.c.id == any_(ids))
+              .returning(job.c.id).cte("marked"))
+    due = job.c.due_at <= horizon
+    if after is not None:
+        due = and_(due, job.c.due_at > after)
+    if fence is not None:
+        due = and_(due, fence)
+    candidates = _claim_candidates(and_(job.c.state == JobState.SCHEDULED, due), limit,
+                                   priority_first=priority_first)
+    claim = update(job).where(job.c.id.in_(candidates)).values(
+        lease_owner=owner, lease_generation=job.c.lease_generation + 1,
+        **_dispatching(now, lease_until))
+    if fence is not None:
+        claim = claim.where(fence)
+    claimed = claim.returning(*_ROW_COLUMNS).cte("claimed")
+    # Outer-joined to one row, so the mark's count comes back when nothing
+    # was claimed; PostgreSQL runs every data-modifying CTE to completion
+    # whether or not the outer query reads it.
+    one = select(literal(1).label("one")).subquery("one")
+    n_marked = select(func.count()).select_from(marked).scalar_subquery()
+    stmt = (select(n_marked.label("n_marked"), *(claimed.c[c.name] for c in _ROW_COLUMNS))
+            .select_from(one.outerjoin(claimed, true())))
+    rows = conn.execute(stmt).all()
+    counts[first] = int(rows[0][0]) if rows else 0
+    records = _records([row[1:] for row in rows if row[1] is not None])
+    records.sort(key=lambda r: (r.due_at, r.id.int))  # as UUIDs compare, without their __lt__
+    return counts, records
+
+
 # --- worker side ------------------------------------------------------------
 
 
 def claim_for_run(
     conn: Connection, *, owner: str, now: datetime, limit: int, lease_until: datetime,
     queues: Sequence[str] | None, worker: str, horizon: datetime | None = None,
+    ids: Sequence[uuid.UUID] | None = None,
 ) -> list[JobRecord]:
     """``sql://``: SCHEDULED and due → RUNNING, in one short transaction.
     ``horizon`` (later than ``now``): also jobs due by then, which the caller
-    holds until their due time; their ``started_at`` is that due time."""
+    holds until their due time; their ``started_at`` is that due time.
+    ``ids``: exactly these rows, which this transaction already picked and
+    locked (the fair claim, core/fair_claim.py), instead of the earliest due."""
     due = job.c.due_at <= (horizon or now)
-    candidates = _claim_candidates(and_(job.c.state == JobState.SCHEDULED, due), limit, queues)
+    if ids is not None:
+        if not ids:
+            return []
+        candidates = select(job.c.id).where(job.c.id.in_(list(ids)),
+                                            job.c.state == JobState.SCHEDULED, due)
+    else:
+        candidates = _claim_candidates(and_(job.c.state == JobState.SCHEDULED, due), limit,
+                                       queues)
     started: Any = now
     if horizon is not None and horizon > now:
         started = case((job.c.due_at > now, job.c.due_at), else_=now)
@@ -440,27 +531,39 @@ def start(
     """Version-checked start of a delivered message: None means discard it.
     ``ahead``: seconds before its due time the job may be started (the
     caller holds the handler until then; ``started_at`` is the due time)."""
+    started = start_many(conn, messages=[message], owner=owner, now=now,
+                         lease_until=lease_until, worker=worker, ahead=ahead)
+    return started.get(message.job_id)
+
+
+def start_many(
+    conn: Connection, *, messages: Sequence[JobMessage], owner: str, now: datetime,
+    lease_until: datetime, worker: str, ahead: float = 0.0,
+) -> dict[uuid.UUID, JobRecord]:
+    """:func:`start` for several messages in one statement: the records of
+    the jobs started, by id (a message that matches no row is absent)."""
+    pairs = [(m.job_id, m.version) for m in messages]
     condition = and_(
-        job.c.id == message.job_id,
-        job.c.version == message.version,
+        tuple_(job.c.id, job.c.version).in_(pairs) if len(pairs) > 1
+        else and_(job.c.id == pairs[0][0], job.c.version == pairs[0][1]),
         job.c.state.in_(list(STARTABLE_STATES)),
         job.c.due_at <= now + timedelta(seconds=ahead),
         or_(job.c.expires_at.is_(None), job.c.expires_at > now),
     )
     # Not SKIP LOCKED: a row locked by the relay's mark must be waited for, or
-    # a message that overtook its own mark would be dropped.
-    candidates = select(job.c.id).where(condition).with_for_update()
-    started = max(now, message.due_at)
+    # a message that overtook its own mark would be dropped.  Id order: two
+    # workers starting overlapping batches lock in the same order.
+    candidates = select(job.c.id).where(condition).order_by(job.c.id).with_for_update()
     records = _claim(
         conn, candidates, owner,
         {"state": JobState.RUNNING, "lease_until": lease_until, "attempt": job.c.attempt + 1,
-         "started_at": started, "updated_at": now,
+         "started_at": case((job.c.due_at > now, job.c.due_at), else_=now), "updated_at": now,
          # Delivered before the relay's mark landed (a held job is published
          # a moment before its due time): the hand-over was just now.
          "published_at": case((job.c.state == JobState.DISPATCHING, now),
                               else_=job.c.published_at)},
     )
-    return _open_attempts(conn, records, started, worker)[0] if records else None
+    return {rec.id: rec for rec in _open_attempts(conn, records, now, worker)}
 
 
 def _open_attempts(
@@ -550,10 +653,6 @@ _FINISH_ATTEMPT = (
 )
 
 
-_STILL_LEASED = select(job.c.id).where(_FENCED_BOUND,
-                                       job.c.version == _p("f_version", job.c.version))
-
-
 def _fence_params(rec: JobRecord) -> dict[str, Any]:
     return {"f_id": rec.id, "f_owner": rec.lease_owner, "f_gen": rec.lease_generation}
 
@@ -563,11 +662,88 @@ def complete_bound(rec: JobRecord, now: datetime) -> tuple[Update, dict[str, Any
     return _COMPLETE, {**_fence_params(rec), "f_now": now}
 
 
-def still_leased(conn: Connection, rec: JobRecord) -> bool:
-    """The job is still this lease's and this version's: nothing cancelled,
-    rescheduled or took it over since it was claimed or started."""
-    params = {**_fence_params(rec), "f_version": rec.version}
-    return conn.execute(_STILL_LEASED, params).first() is not None
+# Group commit (consumers/group_commit.py): several jobs' completions in one
+# transaction.  Their rows are locked first, and the lease checked under the
+# lock, so the multi-row statements below need no per-row fence: nobody can
+# move a locked job on (claims and recovery SKIP LOCKED rows; a cancel waits).
+_LEASES = (
+    select(job.c.id, job.c.state, job.c.lease_owner, job.c.lease_generation, job.c.version)
+    .where(job.c.id.in_(bindparam("ids", expanding=True)))
+)
+# One lock order for every transaction: no deadlock among them.
+_LOCK_LEASED = _LEASES.order_by(job.c.id).with_for_update()
+_COMPLETE_MANY = update(job).where(
+    job.c.id.in_(bindparam("ids", expanding=True)), job.c.state == JobState.RUNNING,
+).values(state=JobState.SUCCEEDED, finished_at=_p("f_now", job.c.finished_at),
+         lease_owner=None, lease_until=None, updated_at=_p("f_now", job.c.updated_at))
+_FINISH_ATTEMPTS = (
+    update(attempt)
+    .where(attempt.c.id.in_(bindparam("ids", expanding=True)), attempt.c.outcome.is_(None))
+    .values(outcome=_p("a_outcome", attempt.c.outcome),
+            finished_at=_p("a_now", attempt.c.finished_at))
+)
+
+
+def lock_leased(conn: Connection, records: Sequence[JobRecord]) -> dict[uuid.UUID, str]:
+    """Lock the jobs' rows until the transaction ends and say, per job id,
+    whether its lease still holds: ``held``, ``cancelled`` or ``lost``
+    (taken over, finished, rescheduled).  On SQLite the transaction's write
+    lock does what FOR UPDATE does elsewhere."""
+    return lease_states(conn, records, lock=True)
+
+
+def lease_states(conn: Connection, records: Sequence[JobRecord], *, lock: bool = False
+                 ) -> dict[uuid.UUID, str]:
+    """:func:`lock_leased`, also as a plain read (``lock=False``): the
+    re-read of jobs leased ahead of their due time, many in one statement."""
+    stmt = _LOCK_LEASED if lock else _LEASES
+    rows = {row.id: row for row in conn.execute(stmt, {"ids": [r.id for r in records]})}
+    verdict = {}
+    for rec in records:
+        row = rows.get(rec.id)
+        if row is not None and (row.state == JobState.RUNNING
+                                and row.lease_owner == rec.lease_owner
+                                and row.lease_generation == rec.lease_generation
+                                and row.version == rec.version):
+            verdict[rec.id] = "held"
+        elif row is not None and row.state == JobState.CANCELLED:
+            verdict[rec.id] = "cancelled"
+        else:
+            verdict[rec.id] = "lost"
+    return verdict
+
+
+def renew_leases(conn: Connection, records: Sequence[JobRecord], *, now: datetime,
+                 until: datetime) -> set[uuid.UUID]:
+    """Extend the leases of jobs still RUNNING under these very leases (owner
+    and generation): the ids renewed.  Jobs waiting in a worker for a free
+    executor keep their leases this way."""
+    keys = [(r.id, r.lease_owner, r.lease_generation) for r in records]
+    stmt = (update(job)
+            .where(tuple_(job.c.id, job.c.lease_owner, job.c.lease_generation).in_(keys),
+                   job.c.state == JobState.RUNNING)
+            .values(lease_until=until, updated_at=now))
+    if conn.dialect.update_returning:
+        return set(conn.execute(stmt.returning(job.c.id)).scalars())
+    conn.execute(stmt)
+    return set(conn.execute(
+        select(job.c.id).where(job.c.id.in_([r.id for r in records]),
+                               job.c.lease_until == until)).scalars())
+
+
+def complete_locked(conn: Connection, records: Sequence[JobRecord], outcome: str,
+                    now: datetime) -> None:
+    """RUNNING → SUCCEEDED for jobs :func:`lock_leased` found held, and their
+    attempts closed with ``outcome``.  A count that does not add up means the
+    lock did not hold: raise, so the whole transaction rolls back."""
+    if not records:
+        return
+    moved = conn.execute(_COMPLETE_MANY, {"ids": [r.id for r in records], "f_now": now})
+    if moved.rowcount != len(records):
+        raise LeaseLostError(f"{len(records) - moved.rowcount} of {len(records)} locked jobs "
+                             "were no longer RUNNING at completion")
+    conn.execute(_FINISH_ATTEMPTS, {"ids": [r.attempt_id for r in records],
+                                    "a_outcome": outcome, "a_now": now})
 
 
 def finish_attempt_bound(rec: JobRecord, now: datetime, outcome: str
@@ -639,6 +815,7 @@ __all__ = [
     "expire_overdue",
     "finish_attempt_stmt",
     "heartbeat_stmt",
+    "mark_and_claim",
     "mark_enqueued",
     "next_due",
     "recover",

@@ -140,6 +140,10 @@ class Metrics:
             "Executions whose lease was lost before completion (their writes rolled back).", bq)
         self.deferred = counter("duebox_worker_deferred_total",
                                 "Deliveries handed back because they arrived early.", b)
+        self.group_size = histogram(
+            "duebox_worker_group_size",
+            "Jobs per group-commit transaction (a backlog of short jobs run together; "
+            "a job run alone is not counted).", b, (2, 4, 8, 16, 32, 64, 128, 256, 1000))
         self.queue_wait = histogram(
             "duebox_queue_wait_seconds",
             "Start minus the moment the message became available: max(published, due).", bq)

@@ -66,6 +66,9 @@ class Task:
     # Hides secrets from people looking at jobs (the dashboard): returns the
     # payload as it may be shown.  Never used when running the job.
     mask: Callable[[Any], Any] | None = None
+    # May share a transaction with other short jobs of the worker (group
+    # commit, consumers/group_commit.py); False: always a transaction alone.
+    group_commit: bool = True
 
     @property
     def is_async(self) -> bool:

@@ -74,3 +74,33 @@ async def test_waiting_is_not_enough_to_be_dropped(database_url: str) -> None:
         assert not r.discarded
     finally:
         await app.adispose()
+
+
+async def test_many_jobs_claimed_ahead_are_read_again_together(database_url: str) -> None:
+    """Forty jobs due at the same instant, claimed ahead, ten cancelled before
+    it: their re-reads are batched, and exactly the cancelled ones do not run."""
+    from datetime import UTC, datetime, timedelta
+
+    from helpers import all_final
+
+    app = make_app(database_url, "sql://?lookahead=1.5")
+    try:
+        due = datetime.now(UTC) + timedelta(seconds=1.2)
+        with app.engine.begin() as conn:
+            ids = [app.schedule(conn, "effect", None, at=due) for _ in range(40)]
+        cancelled = ids[::4]
+        async with Running(app, relays=0, workers=1, concurrency=4) as r:
+            await r.wait(lambda: all(job_row(app.engine, i).state == "RUNNING" for i in ids),
+                         timeout=10, what="the worker to claim all forty ahead of their due time")
+            for job_id in cancelled:
+                assert cancel_committed(app, job_id)
+            others = [i for i in ids if i not in cancelled]
+            await r.wait(lambda: all_final(app.engine, others), timeout=20,
+                         what="the thirty others to succeed")
+            await r.wait(lambda: r.discarded.get("cancelled", 0) >= 10, timeout=10,
+                         what="the worker to drop the ten cancelled jobs")
+        ran = {c[0] for c in app.calls.log}  # type: ignore[attr-defined]
+        assert ran == {str(i) for i in others}
+        assert all(job_row(app.engine, i).state == "CANCELLED" for i in cancelled)
+    finally:
+        await app.adispose()

@@ -44,6 +44,7 @@ from helpers import (
 
 import duebox
 from duebox import MissingDependencyError, jobstore
+from duebox.brokers import redis as redis_broker
 from duebox.brokers.base import BrokerContext, Outgoing
 from duebox.clock import SystemClock
 from duebox.consumers import Worker
@@ -213,8 +214,9 @@ async def test_index_bookkeeping(keys: Keys) -> None:
 
 async def test_broker_delivers_at_the_due_millisecond(keys: Keys) -> None:
     """Without a database in the way: a parked message reaches a waiting
-    consumer at its due time, never before (the mover sleeps until the
-    earliest score and is woken by the publish that parks an earlier one)."""
+    consumer at its due time, at most the mover's lead before it (the mover
+    sleeps until the earliest score less the lead and is woken by the publish
+    that parks an earlier one; the worker holds the handler the rest)."""
     engine = sa.create_engine("sqlite://")
     publisher = broker_class("redis://")(url(keys), BrokerContext(
         engine, SystemClock(), duebox.Settings(), "p"))
@@ -248,7 +250,8 @@ async def test_broker_delivers_at_the_due_millisecond(keys: Keys) -> None:
         await publisher.close()
         await consumer.close()
     late.sort()
-    assert late[0] >= 0, late
+    lead = redis_broker._MOVE_LEAD_MS / 1000
+    assert late[0] >= -lead - 0.001, late  # the score is rounded up to the ms
     assert late[len(late) // 2] < 0.05, late
 
 

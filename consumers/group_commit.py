@@ -1,0 +1,324 @@
+"""Running started jobs: at most ``concurrency`` at once, a backlog of short
+ones several per transaction (group commit).
+
+A transaction per job costs a commit (a WAL flush) and a handful of round
+trips; with a backlog, that — not the handlers — bounds how many jobs a
+worker runs.  While every executor is busy, started jobs queue here; the next
+free executor takes up to ``group_commit`` of them and runs them in one
+transaction:
+
+1. one statement inserts their dedupe rows; a job whose row was already there
+   is a duplicate, closed without running;
+2. one statement locks their job rows (in id order) and each lease is checked
+   under the lock (owner, generation, version).  A locked row cannot be
+   claimed, recovered or cancelled until the commit — the lock is the lease,
+   so no heartbeat is needed — and a job cancelled or taken over before it
+   does not run at all;
+3. each handler runs in its own SAVEPOINT: one that raises is rolled back to
+   it and its failure recorded (retry or DEAD) in the same transaction; the
+   others are unaffected;
+4. two statements complete the succeeded jobs and close their attempts, and
+   the commit makes every handler's writes, dedupe rows and completions
+   durable together.
+
+A group stops starting handlers once it has run for ``_BUDGET`` seconds: a
+slow handler's group commits early, and the jobs it did not start go back to
+the front of the queue.  If the transaction fails as a whole (a deadlock
+with another transaction, a lost connection), none of it happened and each
+of its jobs runs again alone.  With no backlog, every job runs alone, in a
+transaction of its own, as it always did.
+
+Never grouped: ``async def`` handlers (they run on the event loop), tasks
+with a ``timeout`` (a shared transaction cannot be cut short for one of
+them) and tasks registered with ``group_commit=False``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from duebox import jobstore
+from duebox.clock import Clock
+from duebox.db import db_errors
+from duebox.tasks import Task
+
+from .dedupe import SQLDedupeStore
+from .execution import Execution, Outcome, Pools, job_context, record_failure, still_leased
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+
+log = logging.getLogger("duebox.worker")
+
+# A group starts no further handler once it has run this long: its commit
+# (and the locks it holds) should not wait on more than a few short jobs.
+_BUDGET = 0.05
+# A job that waited longer than this for an executor is read again before it
+# runs alone.
+_REREAD_AFTER = timedelta(milliseconds=500)
+
+
+def group_commit_budget() -> float:
+    return _BUDGET
+
+
+@dataclass(eq=False)
+class _Item:
+    task: Task
+    rec: jobstore.JobRecord
+    future: asyncio.Future[Outcome]
+    leased: datetime | None = None
+    started: datetime | None = field(default=None)
+
+
+class _Unset:
+    pass
+
+
+_UNSET = _Unset()
+
+
+class _GroupControl:
+    """A grouped job's :class:`~duebox.tasks.JobControl`.  Its row is locked by
+    the group's transaction, which is the lease: a heartbeat has nothing to
+    renew.  A checkpoint is written in that transaction and kept even when
+    the handler then fails (written again after its savepoint rolls back)."""
+
+    cancelled = False
+
+    def __init__(self, conn: Connection, rec: jobstore.JobRecord, clock: Clock) -> None:
+        self.conn = conn
+        self.rec = rec
+        self.clock = clock
+        self.saved: Any = _UNSET
+
+    def heartbeat(self) -> bool:
+        return True
+
+    def checkpoint(self, state: Any) -> bool:
+        self.saved = state
+        self.write()
+        return True
+
+    def write(self) -> None:
+        self.conn.execute(jobstore.checkpoint_stmt(self.rec, self.clock.now(), self.saved))
+
+
+class Executors:
+    """At most ``count`` executions at once; while all are busy, started jobs
+    wait in order and the next free executor takes up to ``group`` of them."""
+
+    def __init__(self, app: Duebox, worker: str, dedupe: SQLDedupeStore,
+                 pools: Callable[[], Pools], count: int, group: int,
+                 on_group: Callable[[int], None] = lambda size: None,
+                 reread: Callable[[jobstore.JobRecord], Awaitable[bool]] | None = None) -> None:
+        self.app = app
+        self.worker = worker
+        self.dedupe = dedupe
+        self.pools = pools
+        self.count = count
+        self.group = group
+        self.on_group = on_group
+        self.reread = reread or self._reread_now
+        self._pending: deque[_Item] = deque()
+        self._active = 0
+        self._running: set[asyncio.Task[None]] = set()
+        # Handler seconds per job, smoothed (None: none ran yet).
+        self.pace: float | None = None
+        self._renewer: asyncio.Task[None] | None = None
+
+    def groups(self, task: Task) -> bool:
+        return (self.group > 1 and task.group_commit and task.timeout is None
+                and not task.is_async)
+
+    async def run(self, task: Task, rec: jobstore.JobRecord, leased: datetime | None = None
+                  ) -> tuple[Outcome, datetime]:
+        """Run one started job; its outcome and when its handler started.
+        ``leased``: when the job was last known to be this worker's.  Run
+        alone after waiting longer than ``_REREAD_AFTER`` since, it is read
+        again first (a cancel may have landed); in a group the lock does that."""
+        item = _Item(task, rec, asyncio.get_running_loop().create_future(), leased)
+        self._pending.append(item)
+        self._dispatch()
+        if self._pending and (self._renewer is None or self._renewer.done()):
+            self._renewer = asyncio.create_task(self._renew_waiting())
+        outcome = await item.future
+        return outcome, item.started or self.app.clock.now()
+
+    def _dispatch(self) -> None:
+        while self._pending and self._active < self.count:
+            items = [self._pending.popleft()]
+            if self.groups(items[0].task):
+                while (self._pending and len(items) < self.group
+                       and self.groups(self._pending[0].task)):
+                    items.append(self._pending.popleft())
+            self._active += 1
+            t = asyncio.create_task(self._execute(items))
+            self._running.add(t)
+            t.add_done_callback(self._running.discard)
+
+    async def _execute(self, items: list[_Item]) -> None:
+        try:
+            if len(items) == 1:
+                await self._alone(items[0])
+                return
+            try:
+                began = time.monotonic()
+                done, unrun = await self.pools().handler(self._run_group, items)
+                ran_for = time.monotonic() - began
+            except Exception as exc:
+                # Rolled back as a whole: none of it happened.
+                log.warning("a group of %d jobs failed as a whole (%s); running each alone",
+                            len(items), exc)
+                for item in items:
+                    await self._alone(item)
+                return
+            self.on_group(len(items) - len(unrun))
+            self._paced(ran_for, len(items) - len(unrun))
+            for item, outcome in done:
+                if not item.future.done():
+                    item.future.set_result(outcome)
+            self._pending.extendleft(reversed(unrun))
+        finally:
+            self._active -= 1
+            self._dispatch()
+
+    def release_waiting(self) -> list[jobstore.JobRecord]:
+        """Stopping: the jobs still waiting for an executor, which will not
+        run here; each waiter gets the outcome ``released``."""
+        waiting = list(self._pending)
+        self._pending.clear()
+        for item in waiting:
+            if not item.future.done():
+                item.future.set_result(Outcome("released"))
+        return [item.rec for item in waiting]
+
+    def _paced(self, seconds: float, jobs: int) -> None:
+        per_job = seconds / max(1, jobs)
+        self.pace = per_job if self.pace is None else 0.8 * self.pace + 0.2 * per_job
+
+    async def _renew_waiting(self) -> None:
+        """Jobs waiting for an executor are leased (started or claimed) but
+        no handler heartbeats them yet: renew their leases together, every
+        third of the lease, while any wait."""
+        every = self.app.settings.lease_seconds / 3
+        while self._pending:
+            await asyncio.sleep(every)
+            cutoff = self.app.clock.now() - timedelta(seconds=every)
+            stale = [i.rec for i in self._pending if i.leased is None or i.leased < cutoff]
+            if not stale:
+                continue
+            try:
+                renewed = await self.pools().db(self._renew, stale)
+            except Exception as exc:  # the next round tries again
+                log.warning("renewing the leases of %d waiting jobs failed: %s",
+                            len(stale), exc)
+                continue
+            now = self.app.clock.now()
+            for item in self._pending:
+                if item.rec.id in renewed:
+                    item.leased = now
+
+    def _renew(self, records: list[jobstore.JobRecord]) -> set[uuid.UUID]:
+        with db_errors("renew"), self.app.engine.begin() as conn:
+            now = self.app.clock.now()
+            until = now + timedelta(seconds=self.app.settings.lease_seconds)
+            return jobstore.renew_leases(conn, records, now=now, until=until)
+
+    async def _alone(self, item: _Item) -> None:
+        pools = self.pools()
+        execution = Execution(self.app, item.task, item.rec, self.worker, self.dedupe, pools)
+        try:
+            if (item.leased is not None
+                    and self.app.clock.now() - item.leased > _REREAD_AFTER
+                    and not await self.reread(item.rec)):
+                outcome = Outcome("cancelled")
+            else:
+                item.started = self.app.clock.now()
+                began = time.monotonic()
+                outcome = await execution.run()
+                self._paced(time.monotonic() - began, 1)
+        except Exception as exc:
+            if not item.future.done():
+                item.future.set_exception(exc)
+            return
+        if not item.future.done():
+            item.future.set_result(outcome)
+
+    async def _reread_now(self, rec: jobstore.JobRecord) -> bool:
+        [held] = await self.pools().db(still_leased, self.app, [rec])
+        return held
+
+    # --- in an executor thread ----------------------------------------------------
+
+    def _run_group(self, items: list[_Item]) -> tuple[list[tuple[_Item, Outcome]], list[_Item]]:
+        clock = self.app.clock
+        done: list[tuple[_Item, Outcome]] = []
+        unrun: list[_Item] = []
+        with db_errors("group commit"), Session(self.app.engine) as session, session.begin():
+            conn = session.connection()
+            fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items], clock.now())
+            leases = jobstore.lock_leased(conn, [i.rec for i in items])
+            forget: list[str] = []
+            succeeded: list[_Item] = []
+            duplicates: list[_Item] = []
+            began = time.monotonic()
+            for item in items:
+                message_id = str(item.rec.id)
+                lease = leases[item.rec.id]
+                if lease != "held":
+                    if message_id in fresh:
+                        forget.append(message_id)
+                    done.append((item, Outcome("cancelled" if lease == "cancelled"
+                                               else "lease_lost")))
+                elif message_id not in fresh:
+                    duplicates.append(item)
+                elif (succeeded or done) and time.monotonic() - began > _BUDGET:
+                    forget.append(message_id)
+                    unrun.append(item)
+                else:
+                    failed = self._run_one(session, conn, item)
+                    if failed is None:
+                        succeeded.append(item)
+                    else:
+                        forget.append(message_id)
+                        done.append((item, failed))
+            now = clock.now()
+            self.dedupe.forget_many(conn, forget)
+            jobstore.complete_locked(conn, [i.rec for i in succeeded], "succeeded", now)
+            jobstore.complete_locked(conn, [i.rec for i in duplicates], "duplicate", now)
+        done += [(i, Outcome("succeeded")) for i in succeeded]
+        done += [(i, Outcome("duplicate")) for i in duplicates]
+        return done, unrun
+
+    def _run_one(self, session: Session, conn: Connection, item: _Item) -> Outcome | None:
+        """One handler in its savepoint; its failure's outcome, or None."""
+        clock = self.app.clock
+        control = _GroupControl(conn, item.rec, clock)
+        item.started = clock.now()
+        try:
+            with session.begin_nested():
+                # The session begins a savepoint lazily, at its next statement;
+                # a write through ``conn`` (a checkpoint) would come before it.
+                session.connection()
+                item.task.fn(item.rec.payload,
+                             job_context(item.rec, session, self.worker, control))
+        except Exception as exc:
+            verdict = item.task.classifier.classify(exc)
+            error = "".join(traceback.format_exception_only(exc)).strip()
+            if control.saved is not _UNSET:
+                control.write()
+            return record_failure(conn, item.task, item.rec, verdict, error, clock.now())
+        return None

@@ -1,0 +1,62 @@
+"""Version-checked starts of delivered messages, several per transaction
+when they queue up (consumers/batched.py).
+
+A message from a broker is only a hint: the job runs if its row still has
+the message's version and a startable state (invariant 4).  A batch of
+starts is one UPDATE over ``(id, version)`` pairs, rows locked in id order,
+and one multi-row attempt insert.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from duebox import jobstore
+from duebox.db import db_errors
+from duebox.message import JobMessage
+
+from .batched import Batched
+from .execution import Pools
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+
+Started = tuple[jobstore.JobRecord | None, str]
+
+
+class Starts:
+    def __init__(self, app: Duebox, worker: str, pools: Callable[[], Pools]) -> None:
+        self.app = app
+        self.worker = worker
+        self._seq = itertools.count()
+        self._batched: Batched[tuple[JobMessage, float], Started] = Batched(
+            "starting", self._start_batch, pools)
+
+    async def start(self, message: JobMessage, ahead: float) -> Started:
+        """Start the message's job (``ahead``: seconds before its due time it
+        may be); its leased record, or None and why not (``not_due``,
+        ``stale_version``, ``cancelled``, ...)."""
+        return await self._batched.call((message, ahead))
+
+    def _start_batch(self, batch: list[tuple[JobMessage, float]]) -> list[Started]:
+        s = self.app.settings
+        ahead = max(a for _, a in batch)
+        with db_errors("start"), self.app.engine.begin() as conn:
+            now = self.app.clock.now()
+            started = jobstore.start_many(
+                conn, messages=[m for m, _ in batch],
+                owner=f"{self.worker}#{next(self._seq)}", now=now,
+                lease_until=now + timedelta(seconds=s.lease_seconds + ahead),
+                worker=self.worker, ahead=ahead)
+            results: list[Started] = []
+            for message, its_ahead in batch:
+                rec = started.pop(message.job_id, None)
+                if rec is not None:
+                    results.append((rec, "started"))
+                else:  # also a second copy of a message in the same batch
+                    results.append((None, jobstore.why_not_started(
+                        conn, message, now + timedelta(seconds=its_ahead))))
+            return results

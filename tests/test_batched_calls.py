@@ -1,0 +1,62 @@
+"""consumers/batched.py: calls that queue up are served together; a batch
+that fails as a whole is retried item by item, so one bad item fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from duebox.consumers.batched import Batched
+from duebox.consumers.execution import Pools
+
+
+async def test_calls_made_while_one_runs_are_served_together() -> None:
+    release, entered = threading.Event(), threading.Event()
+    batches: list[list[int]] = []
+
+    def run(items: list[int]) -> list[int]:
+        batches.append(items)
+        if len(batches) == 1:
+            entered.set()
+            assert release.wait(10)
+        return [i * 10 for i in items]
+
+    b: Batched[int, int] = Batched("testing", run, Pools.default, lanes=1)
+    first = asyncio.create_task(b.call(0))
+    assert await asyncio.to_thread(entered.wait, 10)  # it holds the only lane
+    rest = [asyncio.create_task(b.call(i)) for i in range(1, 6)]
+    release.set()
+    assert await first == 0
+    assert [await t for t in rest] == [10, 20, 30, 40, 50]
+    assert batches == [[0], [1, 2, 3, 4, 5]]
+
+
+async def test_a_failing_batch_is_retried_item_by_item() -> None:
+    seen: list[list[int]] = []
+    release, entered = threading.Event(), threading.Event()
+
+    def run(items: list[int]) -> list[int]:
+        seen.append(items)
+        if len(seen) == 1:
+            entered.set()
+            assert release.wait(10)
+        if 3 in items:
+            raise RuntimeError("item 3 is bad")
+        return items
+
+    b: Batched[int, int] = Batched("testing", run, Pools.default, lanes=1)
+    first = asyncio.create_task(b.call(0))
+    assert await asyncio.to_thread(entered.wait, 10)
+    rest = [asyncio.create_task(b.call(i)) for i in range(1, 6)]
+    release.set()
+    await first
+    results = await asyncio.gather(*rest, return_exceptions=True)
+    assert results[:2] == [1, 2]
+    assert results[3:] == [4, 5]
+    assert isinstance(results[2], RuntimeError)
+    assert seen[1] == [1, 2, 3, 4, 5]
+    assert seen[2:] == [[1], [2], [3], [4], [5]]
+    with pytest.raises(RuntimeError):
+        await b.call(3)  # alone, it fails alone
