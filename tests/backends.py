@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,23 @@ KAFKA = os.environ.get("DUEBOX_TEST_KAFKA", "127.0.0.1:19092")
 ROOT = Path(__file__).resolve().parents[1]
 LOCALSTACK = ROOT / "localstack" / "start.sh"
 SERVICES = ROOT / "tests" / "services"
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 20) -> None:
+    """Stop processes a test or the soak started, each by its own pid:
+    SIGCONT first (a stopped process cannot act on SIGTERM), SIGTERM, then
+    SIGKILL for any still running ``timeout`` seconds later."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGCONT)
+            p.send_signal(signal.SIGTERM)
+    for p in alive:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
 
 
 def with_params(url: str, **params: object) -> str:

@@ -53,12 +53,6 @@ class RelayProcs(Procs):
         totals: dict[str, Any] = json.loads(lines[-1])
         return totals
 
-    def stop_all(self) -> None:
-        for p in self.procs.values():  # a paused process cannot act on SIGTERM
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-        super().stop_all()
-
 
 @pytest.fixture(name="relay_procs")
 def _relay_procs(tmp_path: Path) -> Iterator[RelayProcs]:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -302,8 +303,11 @@ async def test_broker_killed_and_restarted_empty(sqlite_url: str, names: KafkaNa
 
     try:
         ids = [schedule_committed(app, delay=0.1 * i) for i in range(6)]
+        # group_commit=1: the worker takes no more than it runs, so the
+        # waiting jobs stay unread in the broker while the gated ones run.
         async with Running(app, workers=1, concurrency=2,
-                           relay_kw={"reconcile_interval": 3600}) as r:
+                           relay_kw={"reconcile_interval": 3600},
+                           worker_kw={"group_commit": 1}) as r:
             await r.wait(lambda: len(effect_rows(app.engine)) == len(ids), timeout=15,
                          what="a first batch to run")
             # Published and unread when the broker dies: the worker is busy.
@@ -326,3 +330,100 @@ async def test_broker_killed_and_restarted_empty(sqlite_url: str, names: KafkaNa
             assert jobstore.counts_by_state(conn) == {"SUCCEEDED": len(everything)}
     finally:
         app.dispose()
+
+
+@pytest.fixture
+def own_mock(tmp_path: Path) -> Iterator[str]:
+    """A mock cluster of this test's own, answering late SyncGroups as Kafka
+    does (kafka_mock.py --fix-sync-group): a rebalance then completes for
+    every member instead of failing the followers."""
+    mock = kafka_mock()
+    pidfile = tmp_path / "mock.pid"
+    try:
+        bootstrap = mock.start_background(_free_port(), pidfile=pidfile,
+                                          fix_sync_group=True)
+    except RuntimeError as exc:
+        service_missing("the Kafka mock cluster", exc)
+    try:
+        yield bootstrap
+    finally:
+        mock.stop_background(pidfile)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_rebalance_while_paused_drops_no_message(own_mock: str) -> None:
+    """A consumer whose prefetch is full pauses its partitions and keeps
+    polling.  A rebalance then assigns partitions afresh, unpaused; what that
+    poll returned used to be thrown away with the position past it, so those
+    messages were never delivered (and their offsets were committed once a
+    later one finished)."""
+    from aiokafka import AIOKafkaProducer
+
+    names = KafkaNames(own_mock)
+    url = names.url(partitions=4)
+    a, b = KafkaBroker(url, context("a")), KafkaBroker(url, context("b"))
+    topic = a.settings.topic("default")
+    await a.ensure_topics([topic])
+    producer = AIOKafkaProducer(bootstrap_servers=own_mock)
+    await producer.start()
+    seen: dict[bytes, int] = {}
+    held: list[Any] = []
+    hold = True
+    polls = 0
+
+    async def consume(broker: KafkaBroker, keep: bool) -> None:
+        async for d in broker.consume(["default"], 4):
+            seen[d.extra["body"]] = seen.get(d.extra["body"], 0) + 1
+            if keep and hold:
+                held.append(d)
+            else:
+                await broker.ack(d)
+
+    async def send(numbers: range) -> None:
+        for i in numbers:
+            await producer.send(topic, f"m{i}".encode(), key=str(i).encode())
+        await producer.flush()
+
+    tasks = []
+    try:
+        await send(range(100))
+        tasks.append(asyncio.create_task(consume(a, True)))
+        await wait_for(lambda: len(held) == 4, timeout=30, what="a's prefetch to fill")
+        consumer_a = next(iter(a._consumers))
+        real_getmany = consumer_a.getmany
+
+        async def counting(*args: Any, **kwargs: Any) -> Any:
+            nonlocal polls
+            polls += 1
+            return await real_getmany(*args, **kwargs)
+
+        consumer_a.getmany = counting
+        tasks.append(asyncio.create_task(consume(b, False)))  # the rebalance
+        await wait_for(lambda: any(c.assignment() for c in b._consumers), timeout=60,
+                       what="b to get partitions")
+        await wait_for(lambda: len(consumer_a.assignment()) == 2, timeout=30,
+                       what="a to give two partitions up")
+        before = polls
+        await wait_for(lambda: polls >= before + 5, timeout=30,
+                       what="a to poll while paused, with its new assignment")
+        hold = False
+        for d in held:
+            await a.ack(d)
+        await send(range(100, 200))
+        everything = {f"m{i}".encode() for i in range(200)}
+        await wait_for(lambda: everything <= set(seen), timeout=60,
+                       what="all 200 messages (without the fix: a's share never comes)")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await a.close()
+        await b.close()
+        await producer.stop()

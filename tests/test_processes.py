@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from backends import stop_processes
 from helpers import check_no_early_start, create_effects, effect_rows, effects, memory_url
 from sqlalchemy.orm import Session
 
@@ -66,15 +67,7 @@ class Procs:
         return (self.tmp / f"{name}.log").read_text(errors="replace")[-4000:]
 
     def stop_all(self) -> None:
-        alive = [p for p in self.procs.values() if p.poll() is None]
-        for p in alive:
-            p.send_signal(signal.SIGTERM)
-        for p in alive:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_processes(self.procs.values(), timeout=15)
 
 
 @pytest.fixture

@@ -29,7 +29,9 @@ import ctypes
 import glob
 import os
 import signal
+import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,10 @@ class MockCluster:
         self.lib = lib = _librdkafka()
         conf = lib.rd_kafka_conf_new()
         err = ctypes.create_string_buffer(512)
-        for key, value in (("log_level", "3"), ("client.id", "duebox-kafka-mock")):
+        settings = [("log_level", "3"), ("client.id", "duebox-kafka-mock")]
+        if os.environ.get("KAFKA_MOCK_DEBUG"):  # e.g. "mock,cgrp": the group's state machine
+            settings += [("log_level", "7"), ("debug", os.environ["KAFKA_MOCK_DEBUG"])]
+        for key, value in settings:
             lib.rd_kafka_conf_set(conf, key.encode(), value.encode(), err, len(err))
         self.rk = lib.rd_kafka_new(0, conf, err, len(err))  # 0: a producer handle
         if not self.rk:
@@ -103,12 +108,105 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.close()
 
 
-async def serve(port: int, pidfile: str | None) -> None:
+# --- SyncGroup as Kafka answers it ------------------------------------------------------
+#
+# The mock goes from Syncing to Up as soon as the *leader's* SyncGroup has set
+# an assignment for every member (rdkafka_mock_cgrp.c counts assignments, not
+# members that synced), and then answers a follower's SyncGroup that arrives
+# after the leader's with INVALID_REQUEST (rd_kafka_mock_cgrp_check_state: no
+# SyncGroup in state Up).  A Kafka broker answers it with the follower's
+# assignment.  aiokafka takes INVALID_REQUEST as fatal and raises it to the
+# application, whose consumer then leaves and joins again: another rebalance,
+# where the next late follower fails the same way.  With --fix-sync-group the
+# relay remembers the assignments of each group's last leader SyncGroup and
+# turns such an INVALID_REQUEST into that answer.
+
+_SYNC_GROUP = 14
+_INVALID_REQUEST = 42
+
+
+def _string(buf: bytes, pos: int) -> tuple[str | None, int]:
+    n = struct.unpack_from(">h", buf, pos)[0]
+    if n < 0:
+        return None, pos + 2
+    return buf[pos + 2:pos + 2 + n].decode(), pos + 2 + n
+
+
+class SyncGroups:
+    """Assignments from leaders' SyncGroup requests (v0-v3), and the
+    SyncGroup requests each connection has in flight."""
+
+    def __init__(self) -> None:
+        # group -> (generation, member -> assignment)
+        self.latest: dict[str, tuple[int, dict[str, bytes]]] = {}
+        self.rewritten = 0
+
+    def request(self, frame: bytes, in_flight: dict[int, tuple[int, str, int, str]]) -> None:
+        api_key, version, correlation = struct.unpack_from(">hhi", frame, 0)
+        if api_key != _SYNC_GROUP or version > 3:
+            return
+        _, pos = _string(frame, 8)  # client id
+        group, pos = _string(frame, pos)
+        (generation,) = struct.unpack_from(">i", frame, pos)
+        member, pos = _string(frame, pos + 4)
+        if version >= 3:
+            _, pos = _string(frame, pos)  # group instance id
+        (count,) = struct.unpack_from(">i", frame, pos)
+        pos += 4
+        assignments: dict[str, bytes] = {}
+        for _ in range(max(count, 0)):
+            who, pos = _string(frame, pos)
+            (size,) = struct.unpack_from(">i", frame, pos)
+            assignments[who or ""] = frame[pos + 4:pos + 4 + max(size, 0)]
+            pos += 4 + max(size, 0)
+        if assignments and group is not None:
+            self.latest[group] = (generation, assignments)
+        if group is not None and member is not None:
+            in_flight[correlation] = (version, group, generation, member)
+
+    def response(self, frame: bytes, in_flight: dict[int, tuple[int, str, int, str]]) -> bytes:
+        (correlation,) = struct.unpack_from(">i", frame, 0)
+        sent = in_flight.pop(correlation, None)
+        if sent is None:
+            return frame
+        version, group, generation, member = sent
+        at = 8 if version >= 1 else 4  # after the throttle time
+        (error,) = struct.unpack_from(">h", frame, at)
+        known = self.latest.get(group)
+        if error != _INVALID_REQUEST or known is None or known[0] != generation \
+                or member not in known[1]:
+            return frame
+        self.rewritten += 1
+        assignment = known[1][member]
+        return frame[:at] + struct.pack(">hi", 0, len(assignment)) + assignment
+
+
+async def _frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  each: Callable[[bytes], bytes | None]) -> None:
+    """Like _pump, one Kafka frame (size-prefixed) at a time."""
+    try:
+        while True:
+            head = await reader.readexactly(4)
+            frame = await reader.readexactly(struct.unpack(">i", head)[0])
+            out = each(frame)
+            if out is not None and out is not frame:
+                frame, head = out, struct.pack(">i", len(out))
+            writer.write(head + frame)
+            await writer.drain()
+    except (ConnectionError, OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            writer.close()
+
+
+async def serve(port: int, pidfile: str | None, fix_sync_group: bool = False) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     holder: dict[str, MockCluster] = {}
+    syncs = SyncGroups()
 
     async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, real = holder["mock"].real
@@ -117,7 +215,22 @@ async def serve(port: int, pidfile: str | None) -> None:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pump(reader, up_w), _pump(up_r, writer))
+        if not fix_sync_group:
+            await asyncio.gather(_pump(reader, up_w), _pump(up_r, writer))
+            return
+        in_flight: dict[int, tuple[int, str, int, str]] = {}
+
+        def request(frame: bytes) -> None:
+            with contextlib.suppress(struct.error, UnicodeDecodeError):
+                syncs.request(frame, in_flight)
+
+        def response(frame: bytes) -> bytes:
+            try:
+                return syncs.response(frame, in_flight)
+            except (struct.error, UnicodeDecodeError):
+                return frame
+
+        await asyncio.gather(_frames(reader, up_w, request), _frames(up_r, writer, response))
 
     server = await asyncio.start_server(relay, "127.0.0.1", port, reuse_address=True)
     port = server.sockets[0].getsockname()[1]
@@ -130,6 +243,9 @@ async def serve(port: int, pidfile: str | None) -> None:
     finally:
         server.close()
         mock.close()
+        if fix_sync_group:
+            print(f"late SyncGroups answered with their assignment: {syncs.rewritten}",
+                  flush=True)
         if pidfile:
             Path(pidfile).unlink(missing_ok=True)  # noqa: ASYNC240 - once, at exit
 
@@ -138,7 +254,8 @@ RUN = Path(__file__).resolve().parent / ".run"
 PIDFILE = RUN / "kafka-mock.pid"
 
 
-def start_background(port: int, *, pidfile: Path = PIDFILE, timeout: float = 30.0) -> str:
+def start_background(port: int, *, pidfile: Path = PIDFILE, timeout: float = 30.0,
+                     fix_sync_group: bool = False) -> str:
     """Start this script detached; return ``host:port`` once it is ready."""
     import shlex
     import subprocess
@@ -150,7 +267,8 @@ def start_background(port: int, *, pidfile: Path = PIDFILE, timeout: float = 30.
     # Detached through a shell that exits at once: the mock is nobody's child
     # here, so no Popen object is left to be collected while it runs.
     command = " ".join(shlex.quote(a) for a in (
-        sys.executable, __file__, "run", "--port", str(port), "--pidfile", str(pidfile)))
+        sys.executable, __file__, "run", "--port", str(port), "--pidfile", str(pidfile),
+        *(["--fix-sync-group"] if fix_sync_group else [])))
     subprocess.run(["sh", "-c", f"nohup setsid {command} >{shlex.quote(str(log))} 2>&1 "
                     "</dev/null &"], check=True)
     deadline = time.monotonic() + timeout
@@ -202,9 +320,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=19092,
                         help="the fixed port clients use (0: any free port with run)")
     parser.add_argument("--pidfile", help="run: write this process's id here while it runs")
+    parser.add_argument("--fix-sync-group", action="store_true",
+                        help="answer a follower's late SyncGroup with its assignment, as "
+                             "Kafka does, instead of the mock's INVALID_REQUEST")
     args = parser.parse_args()
     if args.command == "run":
-        asyncio.run(serve(args.port, args.pidfile))
+        asyncio.run(serve(args.port, args.pidfile, args.fix_sync_group))
         return
     if args.command in ("stop", "restart"):
         stopped = stop_background(sig=signal.SIGKILL if args.command == "restart"
@@ -212,7 +333,8 @@ def main() -> None:
         if args.command == "stop":
             print("kafka mock: stopped" if stopped else "kafka mock: was not running")
             return
-    print(f"kafka mock: ready at {start_background(args.port)} (pid file {PIDFILE})")
+    ready = start_background(args.port, fix_sync_group=args.fix_sync_group)
+    print(f"kafka mock: ready at {ready} (pid file {PIDFILE})")
 
 
 if __name__ == "__main__":

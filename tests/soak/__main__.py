@@ -58,6 +58,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "(default: 60 + 3 x ceiling; long mode 180 + 3 x ceiling)")
     p.add_argument("--skew", type=float,
                    help="the skew fault's clock offset in seconds (default: +5 or -5 at random)")
+    p.add_argument("--kafka-mock-as-is", action="store_true",
+                   help="kafka: leave the mock's SyncGroup as it is (a follower syncing "
+                        "after the leader fails with INVALID_REQUEST; see "
+                        "tests/services/kafka_mock.py)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--report", type=Path, help="append the verdict as Markdown to this file")
     p.add_argument("--keep-logs", type=Path, help="write process logs here (default: temp)")
@@ -115,7 +119,7 @@ def main(argv: list[str]) -> int:
     print(f"soak: {args.backend}, {jobs} jobs over {seconds:g} s, ceiling {max_delay:g} s, "
           f"faults {','.join(args.fault_kinds) or 'none'}, seed {seed}, logs {logs}", flush=True)
 
-    stand = Stand(args.backend, max_delay)
+    stand = Stand(args.backend, max_delay, kafka_mock_as_is=args.kafka_mock_as_is)
     fleet: Fleet | None = None
     injector: Injector | None = None
     harness: sa.Engine | None = None

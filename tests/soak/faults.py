@@ -1,8 +1,8 @@
 """Faults at random times, each logged with its start and end.
 
 Safe kinds touch only what the soak owns (its processes, its proxy, its
-database's connections, its private redis-server) and are on by default.
-``broker-restart`` on RabbitMQ/LocalStack and ``pg-restart`` restart shared
+database's connections, its private redis-server or LocalStack) and are on
+by default.  ``broker-restart`` on RabbitMQ and ``pg-restart`` restart shared
 servers: they run only when named in ``--faults``, and the service is always
 brought back in ``finally``.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from tests.backends import localstack, rabbitmqctl
+from tests.backends import rabbitmqctl
 from tests.soak.app import LEASE_SECONDS
 from tests.soak.fleet import Fleet
 from tests.soak.services import HARNESS_APP_NAME, Stand, wait_until
@@ -43,6 +43,8 @@ def parse_faults(spec: str, backend: str) -> list[str]:
         kinds = [k for k in SAFE if backend != "kafka" or not k.startswith("proxy")]
         if backend == "redis":
             kinds += ["broker-flush", "broker-restart"]
+        if backend == "sqs":  # the soak's own LocalStack
+            kinds += ["broker-restart"]
         return kinds
     kinds = [k.strip() for k in spec.split(",") if k.strip()]
     for k in kinds:
@@ -195,8 +197,15 @@ class Injector:
                 rabbitmqctl("await_startup")
             return "rabbitmq stop_app/start_app"
         if backend == "sqs":
-            localstack("restart")
-            return "localstack restart"
+            assert self.stand.localstack is not None
+            self.stand.localstack.stop()
+            try:
+                time.sleep(self.rng.uniform(0.5, 2.0))
+            finally:
+                # start() returns once SQS answers again, or raises: reported
+                # as a fault that could not be applied.
+                self.stand.localstack.start()
+            return "private localstack (stop, empty)"
         raise FaultConfigError(f"no broker restart for {backend}")
 
     def _pg_restart(self) -> str:

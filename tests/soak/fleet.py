@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.backends import stop_processes
+
 ROOT = Path(__file__).resolve().parents[2]
 FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
 
@@ -120,13 +122,4 @@ class Fleet:
 
     def stop_all(self) -> None:
         """SIGCONT whatever is stopped, SIGTERM everything, SIGKILL what hangs."""
-        alive = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]
-        for p in alive:
-            os.kill(p.pid, signal.SIGCONT)
-            p.send_signal(signal.SIGTERM)
-        for p in alive:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_processes([s.proc for s in self.slots if s.proc is not None])

@@ -1,7 +1,7 @@
 """What each soak run stands on: its own PostgreSQL database, and for the
 chosen backend its own broker corner (a private redis-server, a RabbitMQ
-vhost, SQS queue or Kafka topic prefix), with the soak's TCP proxy in front
-of whatever the network faults should hit.
+vhost, a private LocalStack or Kafka mock cluster), with the soak's TCP
+proxy in front of whatever the network faults should hit.
 
 Everything created here is removed in :meth:`Stand.close`; the shared
 servers are only restarted by faults the caller asked for by name.
@@ -27,13 +27,11 @@ import sqlalchemy as sa
 from duebox import migrate
 from tests.backends import (
     AMQP,
-    SQS,
+    LOCALSTACK,
     KafkaNames,
     Queues,
     kafka_mock,
-    kafka_reachable,
-    localstack,
-    rabbitmqctl,
+    scratch_vhost,
     sqs_healthy,
     with_params,
 )
@@ -112,6 +110,39 @@ class PrivateRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class PrivateLocalStack:
+    """A LocalStack of the soak's own (localstack/start.sh on a free port,
+    with its own pid file, log and state): stopping and restarting it loses
+    nobody else's queues, so ``broker-restart`` is a safe fault on sqs://."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="soak-localstack-"))
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def _script(self, command: str, timeout: float) -> subprocess.CompletedProcess[bytes]:
+        env = {**os.environ, "LOCALSTACK_PORT": str(self.port), "LOCALSTACK_RUN": str(self.dir)}
+        return subprocess.run([str(LOCALSTACK), command], env=env, capture_output=True,
+                              timeout=timeout, check=False)
+
+    def start(self) -> None:
+        """Start it and wait until SQS answers (the script waits up to 60 s;
+        the first run also installs LocalStack's virtual environment)."""
+        out = self._script("start", 900)
+        if out.returncode != 0 or not sqs_healthy(self.endpoint):
+            raise SoakSetupError(f"LocalStack SQS did not start on port {self.port}: "
+                                 + (out.stdout + out.stderr).decode(errors="replace")[-1000:])
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after 10 s: the emulator keeps nothing, every
+        queue and message is gone."""
+        self._script("stop", 60)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 @dataclass
 class Stand:
     """The database and broker of one soak run."""
@@ -123,6 +154,9 @@ class Stand:
     broker_url: str = ""
     proxy: Proxy | None = None
     redis: PrivateRedis | None = None
+    localstack: PrivateLocalStack | None = None
+    kafka_mock_as_is: bool = False
+    queues: Queues | None = None
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     db_name: str = ""
 
@@ -184,46 +218,51 @@ class Stand:
 
     def _amqp(self) -> None:
         vhost = f"duebox_soak_{uuid.uuid4().hex[:10]}"
-        user = urlsplit(AMQP).username or "guest"
+        scratch = contextlib.ExitStack()
+        self.cleanups.append(scratch.close)
         try:
-            rabbitmqctl("add_vhost", vhost)
+            scratch.enter_context(scratch_vhost(vhost, urlsplit(AMQP).username or "guest"))
         except (OSError, subprocess.SubprocessError) as exc:
             raise SoakSetupError(f"RabbitMQ (rabbitmqctl add_vhost): {exc}") from exc
-        self.cleanups.append(lambda: rabbitmqctl("delete_vhost", vhost))
-        rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
         parts = urlsplit(AMQP)
         port = self._proxy_to(parts.hostname or "127.0.0.1", parts.port or 5672)
         base = _with_host(AMQP.rstrip("/"), "127.0.0.1", port)
         self.broker_url = with_params(f"{base}/{vhost}", max_delay=self.max_delay, heartbeat=5)
 
     def _sqs(self) -> None:
-        if not sqs_healthy(SQS):
-            started = localstack("start")
-            if started.returncode != 0 or not sqs_healthy(SQS):
-                raise SoakSetupError("LocalStack SQS did not start: "
-                                     + started.stderr.decode()[-1000:])
-            self.cleanups.append(self._stop_localstack)
-        queues = Queues(SQS)
-        self.cleanups.append(queues.delete_all)
-        parts = urlsplit(SQS)
-        port = self._proxy_to(parts.hostname or "127.0.0.1", parts.port or 4566)
+        self.localstack = PrivateLocalStack()
+        self.cleanups.append(self.localstack.close)
+        self.localstack.start()
+        self.queues = queues = Queues(self.localstack.endpoint)
+        port = self._proxy_to("127.0.0.1", self.localstack.port)
+        # check_interval: a restarted (empty) LocalStack is noticed within 5 s
+        # rather than 60 (with 60, one restart took 42 s to recover from;
+        # bench/SOAK.md).
         self.broker_url = with_params(
-            queues.url().replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{port}"),
-            max_delay=self.max_delay)
-
-    @staticmethod
-    def _stop_localstack() -> None:
-        localstack("stop", timeout=60)
+            queues.url().replace(f"127.0.0.1:{self.localstack.port}", f"127.0.0.1:{port}"),
+            max_delay=self.max_delay, check_interval=5)
 
     def _kafka(self) -> None:
+        # A mock cluster of the soak's own, on a free port with its own pid
+        # file: the shared one on 19092 is started, stopped and SIGKILLed
+        # (its restart test) by any test session running meanwhile, and each
+        # of those is an empty new cluster under the soak.  Late SyncGroups
+        # are answered as Kafka does (kafka_mock.py --fix-sync-group) unless
+        # --kafka-mock-as-is: otherwise most rebalances fail their followers.
         # No proxy: the broker advertises its own address in its metadata, so
         # clients would connect around a proxy anyway.
-        names = KafkaNames()
-        if not kafka_reachable(names.bootstrap):
-            mock = kafka_mock()
-            mock.start_background(int(names.bootstrap.rsplit(":", 1)[1]))
-            self.cleanups.append(mock.stop_background)
-        self.broker_url = names.url()
+        mock = kafka_mock()
+        run = Path(tempfile.mkdtemp(prefix="soak-kafka-"))
+        pidfile = run / "kafka-mock.pid"
+        try:
+            bootstrap = mock.start_background(free_port(), pidfile=pidfile,
+                                              fix_sync_group=not self.kafka_mock_as_is)
+        except RuntimeError as exc:
+            raise SoakSetupError(str(exc)) from exc
+        finally:
+            self.cleanups.append(lambda: shutil.rmtree(run, ignore_errors=True))
+        self.cleanups.append(lambda: mock.stop_background(pidfile))
+        self.broker_url = KafkaNames(bootstrap).url()
 
     def broker_state(self) -> str:
         """What the broker holds now, for a failed run's diagnostics."""
@@ -240,6 +279,8 @@ class Stand:
 
                 with redis.Redis(port=self.redis.port) as r:
                     return str({k.decode(): r.type(k).decode() for k in r.scan_iter("*")})
+            if self.backend == "sqs" and self.queues is not None:
+                return str(self.queues.counts())
         except Exception as exc:  # diagnostics only
             return f"unavailable: {exc!r}"
         return "n/a"
