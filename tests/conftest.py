@@ -10,6 +10,7 @@ machine without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import uuid
@@ -33,7 +34,7 @@ from backends import (
     kafka_mock,
     kafka_reachable,
     localstack,
-    rabbitmqctl,
+    scratch_vhost,
     sqs_healthy,
 )
 from sqlalchemy import create_engine, text
@@ -42,6 +43,7 @@ import duebox
 from duebox import migrate
 
 PG_ADMIN_URL = os.environ.get("DUEBOX_TEST_PG", "postgresql+psycopg://127.0.0.1:5432/postgres")
+MYSQL_ADMIN_URL = os.environ.get("DUEBOX_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -71,6 +73,26 @@ def pg_server_url() -> Iterator[str]:
         admin.dispose()
 
 
+@pytest.fixture(scope="session")
+def mariadb_server_url() -> Iterator[str]:
+    """A fresh MariaDB/MySQL database for this test session."""
+    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(MYSQL_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f"CREATE DATABASE `{name}`"))
+    except Exception as exc:
+        admin.dispose()
+        service_missing("MariaDB", exc)
+    url = MYSQL_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
 def reset_tables(url: str) -> None:
     """Drop duebox's tables and the tests' own, then migrate afresh."""
     eng = create_engine(url)
@@ -84,15 +106,30 @@ def reset_tables(url: str) -> None:
     engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
-    """A migrated, empty database: a SQLite file, then PostgreSQL."""
+def _migrated(request: pytest.FixtureRequest, tmp_path: object) -> str:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path}/duebox.db"  # type: ignore[str-bytes-safe]
+    elif request.param == "mariadb":
+        url = request.getfixturevalue("mariadb_server_url")
     else:
         url = request.getfixturevalue("pg_server_url")
     reset_tables(url)
     return url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
+    """A migrated, empty database: a SQLite file, then PostgreSQL."""
+    return _migrated(request, tmp_path)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("mariadb", marks=pytest.mark.mariadb)])
+def database_url_all(request: pytest.FixtureRequest, tmp_path: object) -> str:
+    """:func:`database_url`, and MariaDB as well: for the invariants, which
+    hold on every supported database (MariaDB for every test would add
+    minutes to CI)."""
+    return _migrated(request, tmp_path)
 
 
 @pytest.fixture
@@ -120,21 +157,14 @@ def amqp_vhost() -> Iterator[str]:
     import pika.exceptions
 
     name = f"duebox_test_{uuid.uuid4().hex[:10]}"
-    user = urlsplit(AMQP).username or "guest"
     url = f"{AMQP.rstrip('/')}/{name}"
-    created = False
-    try:
+    with contextlib.ExitStack() as stack:
         try:
-            rabbitmqctl("add_vhost", name)
-            created = True
-            rabbitmqctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
+            stack.enter_context(scratch_vhost(name, urlsplit(AMQP).username or "guest"))
             pika.BlockingConnection(pika.URLParameters(url)).close()
         except (OSError, subprocess.SubprocessError, pika.exceptions.AMQPError) as exc:
             service_missing("RabbitMQ (with rabbitmqctl)", RuntimeError(f"{url}: {exc!r}"))
         yield url
-    finally:
-        if created:
-            rabbitmqctl("delete_vhost", name)
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,15 @@ def broker_url(path: str) -> str:
     return spec
 
 
+@pytest.fixture
+def database_url(database_url_all: str) -> str:
+    """The invariants hold on MariaDB too, so they run there as well."""
+    return database_url_all
+
+
+BY_HANDLER = pytest.mark.parametrize("task_name", ["effect", "effect_async"])
+
+
 @pytest.fixture(autouse=True)
 def _fresh_hubs() -> Any:
     yield
@@ -215,7 +224,7 @@ async def test_invariant_3_duplicate_messages_have_one_effect(database_url: str)
         await app.adispose()
 
 
-@pytest.mark.parametrize("task_name", ["effect", "effect_async"])
+@BY_HANDLER
 async def test_invariant_3_the_dedupe_store_skips_an_effect_already_committed(
     app: duebox.Duebox, task_name: str
 ) -> None:
@@ -345,7 +354,7 @@ def start_as(app: duebox.Duebox, msg: duebox.JobMessage, worker: str) -> jobstor
     return rec
 
 
-@pytest.mark.parametrize("task_name", ["effect", "effect_async"])
+@BY_HANDLER
 @pytest.mark.parametrize("order", ["late-before-new", "late-after-new"])
 async def test_invariant_5_late_completion_is_fenced_out(
     database_url: str, task_name: str, order: str
