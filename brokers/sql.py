@@ -42,7 +42,9 @@ _HOLD_LIMIT = 1_024
 # Rows per claim at most: turning a claim's rows into records holds the GIL,
 # and a claim of hundreds kept due jobs waiting for the event loop for tens
 # of milliseconds; several smaller claims interleave with the hand-offs.
-_CLAIM_MOST = 128
+_CLAIM_MOST = 64
+# A claimed job is handed to the worker this long before its due time.
+_HAND_OVER_LEAD = timedelta(milliseconds=5)
 
 
 class SQLBroker(Broker):
@@ -92,12 +94,15 @@ class SQLBroker(Broker):
         poll = self.context.settings.poll_interval
         try:
             while True:
-                now = self.context.clock.now()
+                # Handed over a moment before the due time: the worker reads
+                # the job again (a cancel must win) and holds the handler to
+                # the due time itself, so the round trip is done by then.
+                now = self.context.clock.now() + _HAND_OVER_LEAD
                 while held and held[0][0] <= now:
                     _, _, rec, claimed_at = heapq.heappop(held)
                     self._in_flight += 1
                     yield Delivery(message=rec.to_message(), claimed=rec, claimed_at=claimed_at)
-                    now = self.context.clock.now()
+                    now = self.context.clock.now() + _HAND_OVER_LEAD
                 if claimer.done():
                     claimer.result()  # its error ends consumption (the worker retries)
                     return

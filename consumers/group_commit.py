@@ -175,9 +175,7 @@ class Executors:
                 await self._alone(items[0])
                 return
             try:
-                began = time.monotonic()
                 done, unrun = await self.pools().handler(self._run_group, items)
-                ran_for = time.monotonic() - began
             except Exception as exc:
                 # Rolled back as a whole: none of it happened.
                 log.warning("a group of %d jobs failed as a whole (%s); running each alone",
@@ -186,7 +184,6 @@ class Executors:
                     await self._alone(item)
                 return
             self.on_group(len(items) - len(unrun))
-            self._paced(ran_for, len(items) - len(unrun))
             for item, outcome in done:
                 if not item.future.done():
                     item.future.set_result(outcome)
@@ -205,9 +202,10 @@ class Executors:
                 item.future.set_result(Outcome("released"))
         return [item.rec for item in waiting]
 
-    def _paced(self, seconds: float, jobs: int) -> None:
-        per_job = seconds / max(1, jobs)
-        self.pace = per_job if self.pace is None else 0.8 * self.pace + 0.2 * per_job
+    def _paced(self, seconds: float) -> None:
+        """One grouped handler's run time (alone, a job's time includes its
+        own commit, which is what grouping saves: not its pace)."""
+        self.pace = seconds if self.pace is None else 0.8 * self.pace + 0.2 * seconds
 
     async def _renew_waiting(self) -> None:
         """Jobs waiting for an executor are leased (started or claimed) but
@@ -247,9 +245,7 @@ class Executors:
                 outcome = Outcome("cancelled")
             else:
                 item.started = self.app.clock.now()
-                began = time.monotonic()
                 outcome = await execution.run()
-                self._paced(time.monotonic() - began, 1)
         except Exception as exc:
             if not item.future.done():
                 item.future.set_exception(exc)
@@ -308,13 +304,17 @@ class Executors:
         clock = self.app.clock
         control = _GroupControl(conn, item.rec, clock)
         item.started = clock.now()
+        began = time.monotonic()
         try:
             with session.begin_nested():
                 # The session begins a savepoint lazily, at its next statement;
                 # a write through ``conn`` (a checkpoint) would come before it.
                 session.connection()
-                item.task.fn(item.rec.payload,
-                             job_context(item.rec, session, self.worker, control))
+                try:
+                    item.task.fn(item.rec.payload,
+                                 job_context(item.rec, session, self.worker, control))
+                finally:
+                    self._paced(time.monotonic() - began)
         except Exception as exc:
             verdict = item.task.classifier.classify(exc)
             error = "".join(traceback.format_exception_only(exc)).strip()
