@@ -530,6 +530,11 @@ async def run_lateness(app: duebox.Duebox, url: str, rate: float, seconds: float
     got = counts(app)
     assert got == {"SUCCEEDED": total}, f"lateness run left {got}"
     late = sorted((s - d) * 1000.0 for s, d in samples)
+    # The ten latest starts, as (position in due order, ms late): a warm-up
+    # shows as small positions, a stall as neighbours.
+    by_due = sorted(samples, key=lambda x: x[1])
+    worst = sorted(range(len(by_due)), key=lambda i: by_due[i][0] - by_due[i][1])[-10:]
+    worst_at = [(i, round((by_due[i][0] - by_due[i][1]) * 1000.0, 1)) for i in sorted(worst)]
     # Where the time went: due -> claimed (waiting to be picked up: wake-up,
     # capacity) and claimed -> handler start (thread hand-offs, the slot).
     with app.engine.connect() as conn:
@@ -542,6 +547,7 @@ async def run_lateness(app: duebox.Duebox, url: str, rate: float, seconds: float
         "p50_ms": _pct(late, 0.50),
         "p99_ms": _pct(late, 0.99),
         "max_ms": late[-1],
+        "worst_at": worst_at,
         "mean_ms": statistics.fmean(late),
         "early": sum(1 for x in late if x < 0),
         "min_ms": late[0],
