@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -126,6 +127,11 @@ class Worker:
             return
         self.pools = Pools.for_worker(self.concurrency)
         await asyncio.to_thread(self.heartbeat.sync_clock_once)
+        # Everything allocated so far (modules, SQLAlchemy's caches, the app)
+        # lives as long as the process: out of the collector's sight, a full
+        # collection no longer stops every thread for tens of milliseconds
+        # (a 60 ms stall made four consecutive jobs late at 100 jobs/s).
+        gc.freeze()
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
         stopper = asyncio.create_task(stop.wait())
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")

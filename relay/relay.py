@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import heapq
 import itertools
 import logging
@@ -640,6 +641,7 @@ class Relay:
             return
         await waker.start()
         await asyncio.to_thread(self.heartbeat.sync_clock_once)
+        gc.freeze()  # as the worker does (consumers/worker.py): no long full collections
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-relay-heartbeat")
         self._held_changed = asyncio.Event()  # of this loop: run() may be called again
         self._timer = asyncio.create_task(self._fire_held(stop), name="duebox-relay-timer")
