@@ -55,7 +55,7 @@ from duebox.db import db_errors
 from duebox.tasks import Task
 
 from .dedupe import SQLDedupeStore
-from .execution import Execution, Outcome, Pools, job_context, record_failure, still_leased
+from .execution import Execution, Outcome, Pools, job_context, record_failure
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -122,8 +122,8 @@ class Executors:
 
     def __init__(self, app: Duebox, worker: str, dedupe: SQLDedupeStore,
                  pools: Callable[[], Pools], count: int, group: int,
-                 on_group: Callable[[int], None] = lambda size: None,
-                 reread: Callable[[jobstore.JobRecord], Awaitable[bool]] | None = None) -> None:
+                 on_group: Callable[[int], None],
+                 reread: Callable[[jobstore.JobRecord], Awaitable[bool]]) -> None:
         self.app = app
         self.worker = worker
         self.dedupe = dedupe
@@ -131,7 +131,7 @@ class Executors:
         self.count = count
         self.group = group
         self.on_group = on_group
-        self.reread = reread or self._reread_now
+        self.reread = reread
         self._pending: deque[_Item] = deque()
         self._active = 0
         self._running: set[asyncio.Task[None]] = set()
@@ -252,10 +252,6 @@ class Executors:
             return
         if not item.future.done():
             item.future.set_result(outcome)
-
-    async def _reread_now(self, rec: jobstore.JobRecord) -> bool:
-        [held] = await self.pools().db(still_leased, self.app, [rec])
-        return held
 
     # --- in an executor thread ----------------------------------------------------
 

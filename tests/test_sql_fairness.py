@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import reset_tables, service_missing
+from conftest import reset_tables
 from test_processes import Procs, poll
 
 import duebox
@@ -31,41 +31,13 @@ from duebox.relay import Relay
 from duebox.tables import attempt, job, rate_bucket
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
-MYSQL_ADMIN_URL = os.environ.get("DUEBOX_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
 LAUNCHER = Path(__file__).parent / "procs" / "sql_fair_worker.py"
 
 
-@pytest.fixture(scope="session")
-def mariadb_server_url() -> Iterator[str]:
-    """A fresh MariaDB/MySQL database for this test session."""
-    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
-    try:
-        admin = sa.create_engine(MYSQL_ADMIN_URL, isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(sa.text(f"CREATE DATABASE `{name}`"))
-    except Exception as exc:
-        service_missing("MariaDB", exc)
-    url = MYSQL_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
-    try:
-        yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres),
-                        pytest.param("mariadb", marks=pytest.mark.mariadb)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A migrated, empty database: SQLite, PostgreSQL, MariaDB."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/duebox.db"
-    elif request.param == "postgres":
-        url = request.getfixturevalue("pg_server_url")
-    else:
-        url = request.getfixturevalue("mariadb_server_url")
-    reset_tables(url)
-    return url
+@pytest.fixture
+def db_url(database_url_all: str) -> str:
+    """A migrated, empty database: SQLite, PostgreSQL, MariaDB (conftest)."""
+    return database_url_all
 
 
 @pytest.fixture(autouse=True)
