@@ -192,7 +192,12 @@ class SQLBroker(Broker):
             due = jobstore.next_due(conn)
         if due is None:
             return records, float("inf")
-        wait = max(0.0, (due - ahead - ctx.clock.now()).total_seconds())
+        # Woken when the next due time is half a lookahead away, not a whole
+        # one: the claim then takes every job due in the next half window at
+        # once (at 500 jobs/s about 60), where waking at the edge of the
+        # window claimed them one transaction each.  Each is still claimed at
+        # least half a lookahead before its due time.
+        wait = max(0.0, (due - ahead / 2 - ctx.clock.now()).total_seconds())
         if wait == 0.0:
             # Due, yet not claimed: rows another claim held locked, a queue
             # this worker does not consume, or (fair claim) a class newer

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import bindparam, delete
 
+from duebox import jobstore
 from duebox.clock import utcnow
 from duebox.db import create_async_engine_for, insert_if_absent
 from duebox.errors import MessageDecodeError
@@ -82,6 +83,18 @@ class SQLDedupeStore:
                 ["consumer", "message_id"],
             )
         return stmt, {"d_message_id": message_id, "d_now": now}
+
+    def claim_and_complete(self, rec: Any, now: Any) -> tuple[Any, dict[str, Any]]:
+        """PostgreSQL: the dedupe row, the fenced completion and the attempt's
+        outcome in one statement (:func:`duebox.jobstore.complete_after_claim`),
+        built once; its row is ``(claimed, completed, closed)``."""
+        stmt = self._bound.get("postgresql+complete")
+        if stmt is None:
+            claim, _ = self.claim_bound("postgresql", "", now)
+            stmt = self._bound["postgresql+complete"] = jobstore.complete_after_claim(claim)
+        _, complete = jobstore.complete_bound(rec, now)
+        _, close = jobstore.finish_attempt_bound(rec, now, "succeeded")
+        return stmt, {"d_message_id": str(rec.id), "d_now": now, **complete, **close}
 
     def claim_many(self, conn: Any, message_ids: Sequence[str], now: Any) -> set[str]:
         """Insert-if-absent several ids in ``conn``'s transaction (one

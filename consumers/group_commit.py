@@ -50,7 +50,7 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from duebox import jobstore
-from duebox.clock import Clock
+from duebox.clock import Clock, wait_until
 from duebox.db import db_errors
 from duebox.tasks import Task
 
@@ -65,6 +65,11 @@ log = logging.getLogger("duebox.worker")
 # A group starts no further handler once it has run this long: its commit
 # (and the locks it holds) should not wait on more than a few short jobs.
 _BUDGET = 0.05
+# Fewer waiting jobs than this run one by one: a group's fixed statements
+# (dedupe rows, lock, completion) and a savepoint per handler cost more than
+# a job alone (one statement before the handler, one after, the commit)
+# until about six jobs share them (bench/RESULTS.md, "group size").
+_GROUP_LEAST = 6
 # A job that waited longer than this for an executor is read again before it
 # runs alone.
 _REREAD_AFTER = timedelta(milliseconds=500)
@@ -81,6 +86,9 @@ class _Item:
     future: asyncio.Future[Outcome]
     leased: datetime | None = None
     started: datetime | None = field(default=None)
+    # Handed over before its due time: its lease is read again and the
+    # handler held to the due time in the executor thread (Execution).
+    early: bool = False
 
 
 class _Unset:
@@ -143,13 +151,27 @@ class Executors:
         return (self.group > 1 and task.group_commit and task.timeout is None
                 and not task.is_async)
 
-    async def run(self, task: Task, rec: jobstore.JobRecord, leased: datetime | None = None
-                  ) -> tuple[Outcome, datetime]:
+    async def run(self, task: Task, rec: jobstore.JobRecord, leased: datetime | None = None,
+                  *, early: bool = False) -> tuple[Outcome, datetime]:
         """Run one started job; its outcome and when its handler started.
         ``leased``: when the job was last known to be this worker's.  Run
         alone after waiting longer than ``_REREAD_AFTER`` since, it is read
-        again first (a cancel may have landed); in a group the lock does that."""
-        item = _Item(task, rec, asyncio.get_running_loop().create_future(), leased)
+        again first (a cancel may have landed); in a group the lock does that.
+        ``early``: handed over before its due time (a sync handler on a clock
+        that follows real time): read again and held to the due time in the
+        executor thread, whether alone or in a group."""
+        item = _Item(task, rec, asyncio.get_running_loop().create_future(), leased,
+                     early=early)
+        if not self._pending and self._active < self.count:
+            # An executor is free and nobody waits: run it in the caller's
+            # task rather than one of its own.
+            self._active += 1
+            try:
+                await self._alone(item)
+            finally:
+                self._active -= 1
+                self._dispatch()
+            return item.future.result(), item.started or self.app.clock.now()
         self._pending.append(item)
         self._dispatch()
         if self._pending and (self._renewer is None or self._renewer.done()):
@@ -160,7 +182,7 @@ class Executors:
     def _dispatch(self) -> None:
         while self._pending and self._active < self.count:
             items = [self._pending.popleft()]
-            if self.groups(items[0].task):
+            if self.groups(items[0].task) and self._groupable_waiting() >= _GROUP_LEAST:
                 while (self._pending and len(items) < self.group
                        and self.groups(self._pending[0].task)):
                     items.append(self._pending.popleft())
@@ -191,6 +213,16 @@ class Executors:
         finally:
             self._active -= 1
             self._dispatch()
+
+    def _groupable_waiting(self) -> int:
+        """How many of the next waiting jobs could join a group (the one
+        just taken included)."""
+        n = 1
+        for item in self._pending:
+            if n >= _GROUP_LEAST or not self.groups(item.task):
+                break
+            n += 1
+        return n
 
     def release_waiting(self) -> list[jobstore.JobRecord]:
         """Stopping: the jobs still waiting for an executor, which will not
@@ -237,15 +269,17 @@ class Executors:
 
     async def _alone(self, item: _Item) -> None:
         pools = self.pools()
-        execution = Execution(self.app, item.task, item.rec, self.worker, self.dedupe, pools)
+        execution = Execution(self.app, item.task, item.rec, self.worker, self.dedupe, pools,
+                              check_first=item.early)
         try:
-            if (item.leased is not None
+            if (not item.early and item.leased is not None
                     and self.app.clock.now() - item.leased > _REREAD_AFTER
                     and not await self.reread(item.rec)):
                 outcome = Outcome("cancelled")
             else:
                 item.started = self.app.clock.now()
                 outcome = await execution.run()
+                item.started = execution.started or item.started
         except Exception as exc:
             if not item.future.done():
                 item.future.set_exception(exc)
@@ -299,6 +333,8 @@ class Executors:
         """One handler in its savepoint; its failure's outcome, or None."""
         clock = self.app.clock
         control = _GroupControl(conn, item.rec, clock)
+        if item.early:  # its lease was checked under the lock
+            wait_until(clock, item.rec.due_at)
         item.started = clock.now()
         began = time.monotonic()
         try:

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import gc
 import logging
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from duebox import jobstore
 from duebox.brokers.base import Broker, Delivery, open_broker
-from duebox.clock import Clock
+from duebox.clock import Clock, follows_real_time
 from duebox.db import db_errors
 from duebox.errors import DatabaseError, ValidationError
 from duebox.failures import FailureClass, Verdict
@@ -43,7 +44,7 @@ from duebox.tasks import Task
 
 from .batched import Batched
 from .dedupe import SQLDedupeStore
-from .execution import Execution, Outcome, Pools, still_leased
+from .execution import Execution, Outcome, Pools, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
 from .starts import Starts
 
@@ -116,6 +117,9 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics or process_metrics()
         self.backend = self.broker.capabilities.name
+        self._real_time = follows_real_time(app.clock)
+        self._received = self.metrics.received.labels(self.backend)
+        self._by_queue: dict[str, tuple[Any, Any, Any, Any, Any]] = {}
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="worker", name=self.name, interval=heartbeat_interval,
             info=self._info)
@@ -127,6 +131,7 @@ class Worker:
             return
         self.pools = Pools.for_worker(self.concurrency)
         await asyncio.to_thread(self.heartbeat.sync_clock_once)
+        await self._warm_up()
         # Everything allocated so far (modules, SQLAlchemy's caches, the app)
         # lives as long as the process: out of the collector's sight, a full
         # collection no longer stops every thread for tens of milliseconds
@@ -157,6 +162,20 @@ class Worker:
             await self.broker.close()
             self.pools.shutdown()
             self.pools = Pools.default()
+
+    async def _warm_up(self) -> None:
+        """Connections for the executors and the per-job statements compiled
+        before the first job (see execution.warm_up); a failure here is only
+        logged: the jobs would meet it again and handle it."""
+        count = min(self.concurrency, _WARM_CONNECTIONS)
+        holding = threading.Barrier(count)
+        try:
+            await asyncio.gather(*(
+                self.pools.handler(warm_up, self.app, self.dedupe, holding)
+                for _ in range(count)))
+        except Exception as exc:
+            holding.abort()
+            log.warning("warming up the worker's connections failed: %s", exc)
 
     async def _consume(self) -> None:
         backoff = 0.1
@@ -198,7 +217,7 @@ class Worker:
 
     async def handle(self, delivery: Delivery) -> None:
         self.stats.received += 1
-        self.metrics.received.labels(self.backend).inc()
+        self._received.inc()
         msg = delivery.message
         if msg is None:
             self._discard("undecodable")
@@ -231,6 +250,7 @@ class Worker:
                     self._discard(reason)
                     await self.broker.reject(delivery, reason)
                 return
+        early = False
         if obtained is not None and obtained < rec.due_at - _REREAD_LEAD:
             # Leased well before its due time: a cancel or a takeover since
             # then must still win, so the job is read again — a round trip
@@ -238,13 +258,17 @@ class Worker:
             # every start has between its check and the handler; a cancel
             # landing there finds the completion fenced and rolls the
             # writes back).
-            await _hold_until(clock, rec.due_at - _REREAD_LEAD)
-            if not await self.rereads.call(rec):
-                self._discard("cancelled")
-                await self.broker.ack(delivery)
-                return
-            obtained = clock.now()
-        await _hold_until(clock, rec.due_at)
+            early = self._checks_in_thread(rec)
+            if not early or rec.due_at - clock.now() > _EXECUTOR_HOLD_MOST:
+                await _hold_until(clock, rec.due_at - _REREAD_LEAD)
+            if not early:
+                if not await self.rereads.call(rec):
+                    self._discard("cancelled")
+                    await self.broker.ack(delivery)
+                    return
+                obtained = clock.now()
+        if not early:
+            await _hold_until(clock, rec.due_at)
         started = clock.now()
         try:
             task = self.app.get_task(rec.task)
@@ -266,8 +290,17 @@ class Worker:
             self._discard("expired")
             await self.broker.ack(delivery)
             return
-        await self._execute(task, rec, obtained)
+        await self._execute(task, rec, obtained, early)
         await self.broker.ack(delivery)
+
+    def _checks_in_thread(self, rec: jobstore.JobRecord) -> bool:
+        """Whether a job handed over before its due time can be read again
+        and held to its due time by the executor that runs it (see
+        Execution): a sync handler without a timeout, a job that cannot
+        expire meanwhile, a clock a thread can wait for by sleeping."""
+        task = self.app.tasks.get(rec.task)
+        return (task is not None and not task.is_async and task.timeout is None
+                and rec.expires_at is None and self._real_time)
 
     def wanted(self) -> int:
         """Deliveries to have in hand (started or claimed, running or waiting
@@ -304,8 +337,8 @@ class Worker:
                             now=self.app.clock.now())
 
     async def _execute(self, task: Task, rec: jobstore.JobRecord,
-                       leased: datetime | None) -> None:
-        outcome, started = await self.executors.run(task, rec, leased)
+                       leased: datetime | None, early: bool = False) -> None:
+        outcome, started = await self.executors.run(task, rec, leased, early=early)
         if outcome.status == "released":  # stopping: given back, never started
             return
         if outcome.status == "cancelled":  # seen under the group's lock, before it ran
@@ -337,22 +370,38 @@ class Worker:
                 "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
                 "throttled": st.throttled}
 
+    def _queue_metrics(self, queue: str) -> tuple[Any, Any, Any, Any, Any]:
+        """The per-queue metric children every job touches (start lateness,
+        queue wait, run time of successes, successes, end to end):
+        ``labels()`` per job was a good part of the worker's bookkeeping."""
+        found = self._by_queue.get(queue)
+        if found is None:
+            m, b = self.metrics, self.backend
+            found = self._by_queue[queue] = (
+                m.start_lateness.labels(b, queue), m.queue_wait.labels(b, queue),
+                m.execution.labels(b, queue, "succeeded"), m.succeeded.labels(b, queue),
+                m.end_to_end.labels(b, queue))
+        return found
+
     def _observe_start(self, rec: jobstore.JobRecord, started: datetime) -> None:
-        m, labels = self.metrics, (self.backend, rec.queue)
-        m.start_lateness.labels(*labels).observe(seconds(started, rec.due_at))
+        lateness, queue_wait, *_ = self._queue_metrics(rec.queue)
+        lateness.observe(seconds(started, rec.due_at))
         available = rec.due_at
         if rec.published_at is not None and rec.published_at > available:
             available = rec.published_at
-        m.queue_wait.labels(*labels).observe(seconds(started, available))
+        queue_wait.observe(seconds(started, available))
 
     def _observe_outcome(self, rec: jobstore.JobRecord, outcome: Outcome,
                          started: datetime) -> None:
         m, b, q = self.metrics, self.backend, rec.queue
         finished = self.app.clock.now()
-        m.execution.labels(b, q, outcome.status).observe(seconds(finished, started))
+        _, _, ran, succeeded, end_to_end = self._queue_metrics(q)
+        if outcome.status != "succeeded":
+            ran = m.execution.labels(b, q, outcome.status)
+        ran.observe(seconds(finished, started))
         if outcome.status in ("succeeded", "duplicate"):
-            m.succeeded.labels(b, q).inc()
-            m.end_to_end.labels(b, q).observe(seconds(finished, rec.due_at))
+            succeeded.inc()
+            end_to_end.observe(seconds(finished, rec.due_at))
             if outcome.status == "duplicate":
                 m.duplicates.labels(b, "dedupe").inc()
         elif outcome.status == "lease_lost":
@@ -377,6 +426,14 @@ async def _hold_until(clock: Clock, due_at: datetime) -> None:
 # A job leased before its due time is read again this long before it: about
 # a round trip to the database.
 _REREAD_LEAD = timedelta(milliseconds=3)
+# Connections opened before the first job: one per executor, up to the
+# engine's default pool size (more would be closed again on their return).
+_WARM_CONNECTIONS = 10
+# A job handed over at most this long before its due time goes to its
+# executor at once (sql:// hands over 5 ms ahead), which reads it again and
+# waits out the rest; one further out first waits on the event loop, not in
+# an executor thread.
+_EXECUTOR_HOLD_MOST = timedelta(milliseconds=6)
 
 
 def _no_handler(payload: Any, ctx: Any) -> None:  # pragma: no cover - never called

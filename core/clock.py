@@ -128,6 +128,23 @@ def _server_now_sql(conn: Connection) -> TextClause | None:
     return None
 
 
+def follows_real_time(clock: Clock) -> bool:
+    """Whether ``clock`` moves on by itself, so a thread can wait for it by
+    sleeping (a :class:`FakeClock` moves only when told to)."""
+    if isinstance(clock, DatabaseClock):
+        return follows_real_time(clock.base)
+    return isinstance(clock, SystemClock)
+
+
+def wait_until(clock: Clock, instant: datetime) -> None:
+    """Block the calling thread until ``clock`` reads ``instant`` or later
+    (for a clock that :func:`follows_real_time`).  A thread's sleep wakes
+    within a fraction of a millisecond; the event loop's timers only to the
+    millisecond."""
+    while (left := (instant - clock.now()).total_seconds()) > 0:
+        time.sleep(left)
+
+
 def sync_clock(clock: Clock, conn: Connection) -> None:
     """Let ``clock`` follow the database if it is a :class:`DatabaseClock`."""
     if isinstance(clock, DatabaseClock):

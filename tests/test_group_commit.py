@@ -46,6 +46,14 @@ def roomy_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(group_commit, "_BUDGET", 5.0)
 
 
+@pytest.fixture(autouse=True)
+def small_groups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups from two waiting jobs on, so the tests of what a group does can
+    form one with a few jobs (the test of the threshold keeps its own)."""
+    if "keeps_group_least" not in request.keywords:
+        monkeypatch.setattr(group_commit, "_GROUP_LEAST", 2)
+
+
 def schedule_due(app: duebox.Duebox, jobs: list[tuple[str, Any]]) -> list[uuid.UUID]:
     """``(task, payload)`` jobs already due, in this order (1 ms apart), committed."""
     first = datetime.now(UTC) - timedelta(seconds=1)
@@ -104,6 +112,43 @@ async def test_a_backlog_runs_in_groups_and_each_job_once(database_url: str) -> 
         outcomes = {a.outcome for i in ids for a in attempt_rows(app.engine, i)}
         assert outcomes == {"succeeded"}
     finally:
+        await app.adispose()
+
+
+@pytest.mark.keeps_group_least
+async def test_fewer_waiting_jobs_than_the_group_threshold_run_alone(
+        database_url: str) -> None:
+    """Behind one busy executor, five jobs wait (fewer than _GROUP_LEAST):
+    each runs alone, in its own transaction, since a group that small costs
+    more than its jobs alone; with six or more waiting they are grouped."""
+    assert group_commit._GROUP_LEAST == 6
+    app = make_app(database_url)
+    gate = Gate(app)
+    try:
+        gate_id, *few = schedule_due(app, [("gate", None)] + [("effect", None)] * 5)
+        async with Running(app, relays=0, workers=1, concurrency=1,
+                           worker_kw={"group_commit": 16}) as r:
+            seen_short_handlers(r)
+            await gate.wait_entered()
+            await r.wait(lambda: sum(len(w.executors._pending) for w in r.workers) == 5,
+                         timeout=10, what="five jobs to wait behind the gate")
+            gate.release.set()
+            await r.wait(lambda: all_final(app.engine, [gate_id, *few]), timeout=30,
+                         what="the five jobs to succeed")
+            assert r.worker_total("grouped") == 0
+            many = schedule_due(app, [("gate", None)] + [("effect", None)] * 6)
+            gate.release.clear()
+            gate.entered.clear()
+            await gate.wait_entered()
+            await r.wait(lambda: sum(len(w.executors._pending) for w in r.workers) == 6,
+                         timeout=10, what="six jobs to wait behind the gate")
+            gate.release.set()
+            await r.wait(lambda: all_final(app.engine, many), timeout=30,
+                         what="the six jobs to succeed")
+            await r.wait(lambda: r.worker_total("grouped") == 6, timeout=10,
+                         what="the six waiting jobs to run as one group")
+    finally:
+        gate.release.set()
         await app.adispose()
 
 
