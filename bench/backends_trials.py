@@ -227,7 +227,12 @@ async def run_lateness(app: duebox.Duebox, db_url: str, broker_url: str, rate: f
     ids = {s[0] for s in result["samples"]}
     assert len(ids) == total, f"{len(result['samples'])} runs of {len(ids)} jobs, {total} due"
     late = sorted((started - due) * 1000.0 for _, started, due in result["samples"])
+    by_due = sorted(result["samples"], key=lambda x: x[2])
+    worst = sorted(range(len(by_due)), key=lambda i: by_due[i][1] - by_due[i][2])[-10:]
     return {
+        # The ten latest starts, as (position in due order, ms late): a
+        # warm-up shows as small positions, a stall as neighbours.
+        "worst_at": [(i, round((by_due[i][1] - by_due[i][2]) * 1000.0, 1)) for i in sorted(worst)],
         "jobs": total, "rate": rate, "seconds": seconds,
         "p50_ms": trials._pct(late, 0.50), "p99_ms": trials._pct(late, 0.99),
         "max_ms": late[-1], "min_ms": late[0], "mean_ms": statistics.fmean(late),
