@@ -333,15 +333,15 @@ class Executors:
         """One handler in its savepoint; its failure's outcome, or None."""
         clock = self.app.clock
         control = _GroupControl(conn, item.rec, clock)
-        if item.early:  # its lease was checked under the lock
-            wait_until(clock, item.rec.due_at)
-        item.started = clock.now()
-        began = time.monotonic()
         try:
             with session.begin_nested():
                 # The session begins a savepoint lazily, at its next statement;
                 # a write through ``conn`` (a checkpoint) would come before it.
                 session.connection()
+                if item.early:  # its lease was checked under the lock
+                    wait_until(clock, item.rec.due_at)
+                item.started = clock.now()
+                began = time.monotonic()
                 try:
                     item.task.fn(item.rec.payload,
                                  job_context(item.rec, session, self.worker, control))

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.pool import SingletonThreadPool, StaticPool
+
 from duebox import jobstore
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
@@ -167,7 +169,10 @@ class Worker:
         """Connections for the executors and the per-job statements compiled
         before the first job (see execution.warm_up); a failure here is only
         logged: the jobs would meet it again and handle it."""
-        count = min(self.concurrency, _WARM_CONNECTIONS)
+        # One shared connection (in-memory SQLite): nothing to open ahead,
+        # and one warm-up transaction at a time.
+        shared = isinstance(self.app.engine.pool, StaticPool | SingletonThreadPool)
+        count = 1 if shared else min(self.concurrency, _WARM_CONNECTIONS)
         holding = threading.Barrier(count)
         try:
             await asyncio.gather(*(
