@@ -240,7 +240,10 @@ def test_the_command_serves_the_default_database_until_interrupted(tmp_path: Any
     assert empty.returncode == 1
     assert "no duebox tables in sqlite:///duebox.db: run `duebox db upgrade`" in empty.stderr
     reset_tables(f"sqlite:///{tmp_path}/duebox.db")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    # As from a terminal: a test session started in the background by a
+    # non-interactive shell ignores SIGINT, and a child would inherit that.
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()
