@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -150,6 +151,68 @@ def _sqlite_on_begin(conn: Connection) -> None:
     conn.exec_driver_sql("BEGIN" if deferred else "BEGIN IMMEDIATE")
 
 
+_SQLITE_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "BEGIN IMMEDIATE")
+# Longer than this for the in-process writer lock, and the statement goes
+# ahead to SQLite's own busy timeout (which then decides).
+_WRITER_WAIT = 30.0
+
+
+class _SQLiteWriters:
+    """One writing transaction at a time per engine, waited for in order.
+
+    SQLite lets one connection write at a time; the others poll for the lock
+    with the library's back-off, whose sleeps grow to 100 ms — with a dozen
+    threads of one worker writing, a transaction could lose the race for
+    half a second (jobs started 230-630 ms late at 500 jobs/s).  Within a
+    process the writers instead queue on this lock, taken when a transaction
+    takes SQLite's (``BEGIN IMMEDIATE`` or its first write) and released when
+    it ends, so the lock only mirrors what SQLite would block on anyway.
+    Other processes still meet SQLite's own busy wait."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.lock = threading.Lock()
+        self.holder: Any = None
+        dialect = engine.dialect
+        commit, rollback = dialect.do_commit, dialect.do_rollback
+
+        def do_commit(dbapi_conn: Any) -> None:
+            try:
+                commit(dbapi_conn)
+            finally:
+                self.release(dbapi_conn)
+
+        def do_rollback(dbapi_conn: Any) -> None:
+            try:
+                rollback(dbapi_conn)
+            finally:
+                self.release(dbapi_conn)
+
+        dialect.do_commit = do_commit  # type: ignore[method-assign,assignment]
+        dialect.do_rollback = do_rollback  # type: ignore[method-assign,assignment]
+        event.listen(engine, "before_cursor_execute", self.before_execute)
+        # However a connection leaves (returned, invalidated, closed), its
+        # transaction is over: never let the lock outlive it.
+        event.listen(engine.pool, "checkin", lambda dbapi_conn, _rec: self.release(dbapi_conn))
+        for leaving in ("invalidate", "soft_invalidate"):
+            event.listen(engine.pool, leaving,
+                         lambda dbapi_conn, _rec, _exc: self.release(dbapi_conn))
+        event.listen(engine.pool, "close", lambda dbapi_conn, _rec: self.release(dbapi_conn))
+
+    def before_execute(self, conn: Connection, _cursor: Any, statement: str, *_: Any) -> None:
+        dbapi_conn = conn.connection.dbapi_connection
+        if self.holder is dbapi_conn or not statement.lstrip().upper().startswith(_SQLITE_WRITES):
+            return
+        if self.lock.acquire(timeout=_WRITER_WAIT):
+            self.holder = dbapi_conn
+
+    def release(self, dbapi_conn: Any) -> None:
+        # Commit and rollback get the pool's proxy; the events, the driver's.
+        dbapi_conn = getattr(dbapi_conn, "dbapi_connection", dbapi_conn)
+        if dbapi_conn is not None and self.holder is dbapi_conn:
+            self.holder = None
+            self.lock.release()
+
+
 def _sqlite_engine(parsed: URL, **kw: Any) -> Engine:
     memory = parsed.database in (None, "", ":memory:")
     if memory:
@@ -162,6 +225,8 @@ def _sqlite_engine(parsed: URL, **kw: Any) -> Engine:
     engine = create_engine(parsed, **kw)
     event.listen(engine, "connect", _sqlite_on_connect)
     event.listen(engine, "begin", _sqlite_on_begin)
+    if not memory:  # one shared connection (StaticPool): nobody to queue behind
+        _SQLiteWriters(engine)
     return engine
 
 
