@@ -50,6 +50,7 @@ from .amqp_topology import (
     check_queue_name,
 )
 from .base import (
+    HANDOVER_LEAD,
     Broker,
     BrokerContext,
     Capabilities,
@@ -80,7 +81,7 @@ class AMQPBroker(Broker):
                    "the job table republishes anything lost after redeliver_after",
         payload_limit=PAYLOAD_LIMIT,
         redelivers_unacked=True,
-        publish_lead=0.002,  # TTL tiers are coarse: the relay holds the last seconds
+        publish_lead=HANDOVER_LEAD,  # TTL tiers are coarse: the relay holds the last seconds
         in_flight_after_cancel="waits out its delay in the broker, then is delivered and "
                                "discarded by the version check",
     )

@@ -26,6 +26,16 @@ from duebox.registry import effective_max_delay
 
 log = logging.getLogger("duebox.broker")
 
+# How long before its due time a backend without a precise delay of its own
+# hands a job over: Kafka and RabbitMQ (``Capabilities.publish_lead``: the
+# relay publishes this early) and Redis (its mover moves a parked job onto
+# the stream this early).  The delivery and the worker's version-checked
+# start fit in it; the worker holds the handler to the due time, so nothing
+# runs early, and reads the job again just before, so a cancel still wins.
+# At 100 jobs/s (bench/backends_trials.py lateness) leads of 2-5 ms started
+# jobs 1.6-8 ms late at p50; 30 ms: p50 0.3-0.4 ms, p99 0.8-3 ms.
+HANDOVER_LEAD = 0.030
+
 if TYPE_CHECKING:
     import uuid
 

@@ -55,6 +55,7 @@ from duebox.errors import BrokerError, MissingDependencyError
 
 from ._common import ordering_key
 from .base import (
+    HANDOVER_LEAD,
     Broker,
     BrokerContext,
     Capabilities,
@@ -247,7 +248,7 @@ class KafkaBroker(Broker):
                    "again",
         payload_limit=1024 * 1024,
         redelivers_unacked=True,
-        publish_lead=0.004,  # no delay at all: the relay holds jobs until due
+        publish_lead=HANDOVER_LEAD,  # no delay at all: the relay holds jobs until due
         in_flight_after_cancel="nothing is in flight before the due time (jobs are "
                                "published when due); a message already published is "
                                "discarded by the version check",

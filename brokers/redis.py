@@ -49,6 +49,7 @@ from duebox.errors import BrokerError, ConfigurationError, MissingDependencyErro
 
 from ._waiting import wait_any
 from .base import (
+    HANDOVER_LEAD,
     Broker,
     BrokerContext,
     Capabilities,
@@ -73,10 +74,9 @@ _OWN_PARAMS = ("prefix", "horizon", "group", "claim_idle", "max_delay")
 _MOVE_LIMIT = 1000  # members per mover call: bounds the time a script blocks Redis
 _PUBLISH_CHUNK = 1000
 _IDLE_WAKE = 1.0  # the mover looks at least this often, in case a wake was missed
-# The mover hands a parked job to its stream this long before its score: the
-# stream read and the worker's version-checked start take about that, and the
-# worker holds the handler to the due time (never early: consumers/worker.py).
-_MOVE_LEAD_MS = 5.0
+# The mover hands a parked job to its stream this long before its score
+# (base.HANDOVER_LEAD); the worker holds the handler to the due time.
+_MOVE_LEAD_MS = HANDOVER_LEAD * 1000.0
 _PRUNE_EVERY = 600.0  # seconds between sweeps for consumers that left long ago
 
 # KEYS: due, msg, ready, held.  ARGV: now_ms, wake channel, then (id, version,

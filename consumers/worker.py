@@ -435,9 +435,9 @@ _REREAD_LEAD = timedelta(milliseconds=3)
 # engine's default pool size (more would be closed again on their return).
 _WARM_CONNECTIONS = 10
 # A job handed over at most this long before its due time goes to its
-# executor at once (sql:// hands over 5 ms ahead), which reads it again and
-# waits out the rest; one further out first waits on the event loop, not in
-# an executor thread.
+# executor at once, which reads it again and waits out the rest; one further
+# out (brokers hand over base.HANDOVER_LEAD ahead) first waits on the event
+# loop, not in an executor thread.
 _EXECUTOR_HOLD_MOST = timedelta(milliseconds=6)
 
 
