@@ -189,13 +189,12 @@ class Execution:
         if self.check_first and not same_transaction and not still_leased(self.app, [self.rec])[0]:
             return Outcome("cancelled")
         with Session(engine) as session, session.begin():
-            if self.check_first and same_transaction:
-                # Read committed: reading first costs the handler's
-                # transaction nothing (elsewhere a snapshot taken this early
-                # could keep SQLite's write lock from being granted).
-                state = jobstore.lease_states(session.connection(), [self.rec])[self.rec.id]
-                if state != "held":
-                    return Outcome("cancelled")
+            # Read committed: reading first costs the handler's transaction
+            # nothing (elsewhere a snapshot taken this early could keep
+            # SQLite's write lock from being granted).
+            if (self.check_first and same_transaction
+                    and not leases_held(session.connection(), [self.rec])[0]):
+                return Outcome("cancelled")
             if self.check_first:
                 wait_until(self.app.clock, self.rec.due_at)
             self.started = self.app.clock.now()
@@ -216,52 +215,21 @@ class Execution:
                 while True:
                     stmt, params = steps.send(await session.execute(stmt, params))
             except StopIteration as done:
-                outcome: Outcome = done.value
-            if outcome.status == "duplicate":
-                raise _Duplicate(outcome)
-            return outcome
+                return _not_duplicate(done.value)
 
-    def _finish(self, execute: Any) -> Outcome:
-        steps = self._finish_steps()
-        try:
-            stmt, params = next(steps)
-            while True:
-                stmt, params = steps.send(execute(stmt, params))
-        except StopIteration as done:
-            outcome: Outcome = done.value
-        if outcome.status == "duplicate":
-            # Seen before: this run's writes must not count twice.
-            raise _Duplicate(outcome)
-        return outcome
+    def _finish(self, execute: Callable[..., Any]) -> Outcome:
+        return _not_duplicate(run_steps(self._finish_steps(), execute))
 
     def _finish_steps(self) -> Generator[tuple[Any, dict[str, Any]], Any, Outcome]:
-        """After the handler, in its transaction: the dedupe row, then the
-        fenced completion.  The dedupe row comes last so that on SQLite the
-        write lock is taken at the handler's first write, not before it runs."""
-        now = self.app.clock.now()
-        dialect = self.app.engine.dialect.name
-        if dialect == "postgresql":
-            claimed, completed, _ = (yield self.dedupe.claim_and_complete(self.rec, now)).one()
-            if not claimed:
-                return Outcome("duplicate")
-            if not completed:
-                raise LeaseLostError(f"job {self.rec.id}: lease lost before completion")
-            return Outcome("succeeded")
-        first = yield self.dedupe.claim_bound(dialect, str(self.rec.id), now)
-        if first.rowcount != 1:
-            return Outcome("duplicate")
-        done = yield jobstore.complete_bound(self.rec, now)
-        if done.rowcount != 1:
-            raise LeaseLostError(f"job {self.rec.id}: lease lost before completion")
-        yield jobstore.finish_attempt_bound(self.rec, now, "succeeded")
-        return Outcome("succeeded")
+        return finish_steps(self.app.engine.dialect.name, self.dedupe, self.rec,
+                            self.app.clock.now())
 
     def _close_duplicate(self) -> Outcome:
         """The job's effect was already committed under this id: finish the
         job without a second effect."""
         with db_errors("complete"), self.app.engine.begin() as conn:
             now = self.app.clock.now()
-            if conn.execute(jobstore.complete_stmt(self.rec, now)).rowcount != 1:
+            if conn.execute(*jobstore.complete_bound(self.rec, now)).rowcount != 1:
                 return Outcome("lease_lost")
             conn.execute(jobstore.finish_attempt_stmt(self.rec, now, "duplicate"))
         return Outcome("duplicate")
@@ -288,6 +256,48 @@ class Execution:
             await asyncio.sleep(self.lease / 3)
 
 
+def finish_steps(dialect: str, dedupe: SQLDedupeStore, rec: jobstore.JobRecord,
+                 now: datetime) -> Generator[tuple[Any, dict[str, Any]], Any, Outcome]:
+    """After the handler, in its transaction: the dedupe row, then the
+    fenced completion, as statements to execute (each result is sent back).
+    The dedupe row comes last so that on SQLite the write lock is taken at
+    the handler's first write, not before it runs."""
+    if dialect == "postgresql":
+        claimed, completed, _ = (yield dedupe.claim_and_complete(rec, now)).one()
+        if not claimed:
+            return Outcome("duplicate")
+        if not completed:
+            raise LeaseLostError(f"job {rec.id}: lease lost before completion")
+        return Outcome("succeeded")
+    first = yield dedupe.claim_bound(dialect, str(rec.id), now)
+    if first.rowcount != 1:
+        return Outcome("duplicate")
+    done = yield jobstore.complete_bound(rec, now)
+    if done.rowcount != 1:
+        raise LeaseLostError(f"job {rec.id}: lease lost before completion")
+    yield jobstore.finish_attempt_bound(rec, now, "succeeded")
+    return Outcome("succeeded")
+
+
+def run_steps(steps: Generator[tuple[Any, dict[str, Any]], Any, Outcome],
+              execute: Callable[..., Any]) -> Outcome:
+    """Execute :func:`finish_steps`' statements with ``execute``."""
+    try:
+        stmt, params = next(steps)
+        while True:
+            stmt, params = steps.send(execute(stmt, params))
+    except StopIteration as done:
+        outcome: Outcome = done.value
+        return outcome
+
+
+def _not_duplicate(outcome: Outcome) -> Outcome:
+    if outcome.status == "duplicate":
+        # Seen before: this run's writes must not count twice.
+        raise _Duplicate(outcome)
+    return outcome
+
+
 def warm_up(app: Duebox, dedupe: SQLDedupeStore, holding: threading.Barrier) -> None:
     """Before a worker takes jobs, in each of its executor threads: open a
     pooled connection, run the per-job statements on it once in a
@@ -302,13 +312,10 @@ def warm_up(app: Duebox, dedupe: SQLDedupeStore, holding: threading.Barrier) -> 
             version=0, attempt=0, max_attempts=0, priority=0, tenant=None, key=None,
             expires_at=None, lease_owner="", lease_generation=0, attempt_id=uuid7())
         with conn.begin() as tx:
-            jobstore.lease_states(conn, [nobody])
-            if conn.dialect.name == "postgresql":
-                conn.execute(*dedupe.claim_and_complete(nobody, now))
-            else:
-                conn.execute(*dedupe.claim_bound(conn.dialect.name, str(nobody.id), now))
-                conn.execute(*jobstore.complete_bound(nobody, now))
-                conn.execute(*jobstore.finish_attempt_bound(nobody, now, "succeeded"))
+            leases_held(conn, [nobody])
+            # Nobody holds that lease: the completion finds it lost.
+            with contextlib.suppress(LeaseLostError):
+                run_steps(finish_steps(conn.dialect.name, dedupe, nobody, now), conn.execute)
             tx.rollback()
         with contextlib.suppress(threading.BrokenBarrierError):
             holding.wait(5.0)
@@ -320,7 +327,12 @@ def still_leased(app: Duebox, records: list[jobstore.JobRecord]) -> list[bool]:
         if conn.dialect.name == "postgresql":
             # One statement, atomic by itself: no BEGIN, no ROLLBACK after it.
             conn.execution_options(isolation_level="AUTOCOMMIT")
-        held = jobstore.lease_states(conn, records)
+        return leases_held(conn, records)
+
+
+def leases_held(conn: Connection, records: list[jobstore.JobRecord]) -> list[bool]:
+    """Per job: still this lease's and this version's?"""
+    held = jobstore.lease_states(conn, records)
     return [held[r.id] == "held" for r in records]
 
 

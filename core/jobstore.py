@@ -620,17 +620,9 @@ def _fenced(rec: JobRecord) -> Any:
     )
 
 
-def complete_stmt(rec: JobRecord, now: datetime) -> Update:
-    """RUNNING → SUCCEEDED, fenced: a late completion from a lost lease matches nothing."""
-    return update(job).where(_fenced(rec)).values(
-        state=JobState.SUCCEEDED, finished_at=now, lease_owner=None, lease_until=None,
-        updated_at=now,
-    )
-
-
 # The worker's per-job statements, built once with bound parameters: building
 # an UPDATE and its cache key per job cost more CPU than running it.  Each
-# ``*_bound`` returns the statement and its parameters; same SQL as above.
+# ``*_bound`` returns the statement and its parameters.
 def _p(name: str, column: Any) -> Any:
     return bindparam(name, type_=column.type)
 
@@ -677,7 +669,8 @@ def complete_after_claim(claim: Any) -> Select[Any]:
 
 
 def complete_bound(rec: JobRecord, now: datetime) -> tuple[Update, dict[str, Any]]:
-    """The statement of :func:`complete_stmt` and its parameters."""
+    """RUNNING → SUCCEEDED, fenced (a late completion from a lost lease
+    matches nothing): the statement and its parameters."""
     return _COMPLETE, {**_fence_params(rec), "f_now": now}
 
 
@@ -827,7 +820,6 @@ __all__ = [
     "claim_for_dispatch",
     "claim_for_run",
     "claim_selected",
-    "complete_stmt",
     "dead_stmt",
     "enqueued_page",
     "expire",

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from duebox import jobstore
 from duebox.brokers.base import Broker, Outgoing, open_broker
 from duebox.db import PgWaker, db_errors, parse_database_url
-from duebox.errors import BrokerError, DatabaseError
+from duebox.errors import BrokerError, ConfigurationError, DatabaseError
 from duebox.heartbeat import ProcessHeartbeat, prune
 from duebox.ids import process_token
 from duebox.metrics import DBCollector, Metrics, process_metrics, seconds
@@ -164,6 +164,11 @@ class Relay:
         self.catchup = CatchUp(app, self.batch_size)
         # Operating at scale (docs/scale.md): fair, rate-limited claims and
         # fenced shard ownership; both off unless configured.
+        if shards is not None and caps.direct_claim:
+            raise ConfigurationError(
+                f"shards: sharding fences a relay's claim for a broker; on {caps.name}:// "
+                "workers claim rows from the job table themselves and are not sharded "
+                "(SKIP LOCKED partitions the rows between them): pass no shards")
         self.scale = ScaleControls(app, self.name, policy, shards)
         # Observability (docs/observability.md): event metrics, the periodic
         # database snapshot and this relay's registry row.

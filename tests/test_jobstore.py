@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -73,9 +74,10 @@ def recover(app: duebox.Duebox, now: float, *, margin: float = 2,
                                 redeliver_after=redeliver_after, limit=1000)
 
 
-def execute(app: duebox.Duebox, stmt: sa.Executable) -> int:
+def execute(app: duebox.Duebox, stmt: sa.Executable, params: dict[str, Any] | None = None
+            ) -> int:
     with app.engine.begin() as conn:
-        return int(conn.execute(stmt).rowcount)
+        return int(conn.execute(stmt, params).rowcount)
 
 
 # --- the relay's claim ------------------------------------------------------------
@@ -289,15 +291,15 @@ def test_a_completion_from_a_lost_lease_matches_no_row(app: duebox.Duebox) -> No
     recover(app, 10)
     [new] = run_claim(app, "w2#1", now=10, lease=5)
     assert new.lease_generation > old.lease_generation
-    for stmt in (jobstore.complete_stmt(old, at(11)),
-                 jobstore.retry_stmt(old, at(11), at(60), "unknown", "boom"),
-                 jobstore.dead_stmt(old, at(11), "permanent", "boom"),
-                 jobstore.heartbeat_stmt(old, at(11), at(100))):
-        assert execute(app, stmt) == 0
+    for stmt, params in (jobstore.complete_bound(old, at(11)),
+                         (jobstore.retry_stmt(old, at(11), at(60), "unknown", "boom"), None),
+                         (jobstore.dead_stmt(old, at(11), "permanent", "boom"), None),
+                         (jobstore.heartbeat_stmt(old, at(11), at(100)), None)):
+        assert execute(app, stmt, params) == 0
     row = job_row(app.engine, job_id)
     assert (row.state, row.lease_owner, row.lease_until) == (JobState.RUNNING, "w2#1", at(15))
     assert execute(app, jobstore.heartbeat_stmt(new, at(11), at(40))) == 1
-    assert execute(app, jobstore.complete_stmt(new, at(12))) == 1
+    assert execute(app, *jobstore.complete_bound(new, at(12))) == 1
     assert execute(app, jobstore.finish_attempt_stmt(new, at(12), "succeeded")) == 1
     row = job_row(app.engine, job_id)
     assert (row.state, row.finished_at, row.lease_owner) == (JobState.SUCCEEDED, at(12), None)
@@ -310,7 +312,7 @@ def test_same_owner_with_an_old_generation_is_fenced_too(app: duebox.Duebox) -> 
     recover(app, 10)
     [new] = run_claim(app, "w#1", now=10)  # an owner token reused after a restart
     assert new.lease_owner == old.lease_owner
-    assert execute(app, jobstore.complete_stmt(old, at(11))) == 0
+    assert execute(app, *jobstore.complete_bound(old, at(11))) == 0
     assert job_row(app.engine, job_id).state == JobState.RUNNING
 
 

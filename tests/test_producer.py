@@ -339,7 +339,7 @@ async def test_cancel_of_a_running_job_fences_out_its_worker(app: duebox.Duebox)
     with app.engine.begin() as conn:
         assert app.cancel(conn, job_id) is True
     with app.engine.begin() as conn:
-        assert conn.execute(jobstore.complete_stmt(rec, START)).rowcount == 0
+        assert conn.execute(*jobstore.complete_bound(rec, START)).rowcount == 0
     row = job_row(app.engine, job_id)
     assert (row.state, row.version, row.lease_owner) == (JobState.CANCELLED, 2, None)
 

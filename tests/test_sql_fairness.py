@@ -28,6 +28,7 @@ from duebox.brokers.sql import SQLBroker
 from duebox.errors import ConfigurationError
 from duebox.fair_claim import DispatchPolicy, Limit, lock_buckets, spend_buckets
 from duebox.relay import Relay
+from duebox.relay.shards import ShardConfig
 from duebox.tables import attempt, job, rate_bucket
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -243,6 +244,15 @@ def test_shards_on_sql_are_refused_not_ignored(tmp_path: Path,
     try:
         with pytest.raises(ConfigurationError, match=r"DUEBOX_SHARDS='4'.*sql://"):
             app.broker("w")
+    finally:
+        app.dispose()
+
+
+def test_shards_given_to_a_relay_on_sql_are_refused_not_ignored(tmp_path: Path) -> None:
+    app = duebox.Duebox(f"sqlite:///{tmp_path}/d.db", "sql://")
+    try:
+        with pytest.raises(ConfigurationError, match=r"^shards: .*sql://"):
+            Relay(app, shards=ShardConfig(count=4))
     finally:
         app.dispose()
 
