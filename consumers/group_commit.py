@@ -14,9 +14,10 @@ transaction:
    claimed, recovered or cancelled until the commit — the lock is the lease,
    so no heartbeat is needed — and a job cancelled or taken over before it
    does not run at all;
-3. each handler runs in its own SAVEPOINT: one that raises is rolled back to
-   it and its failure recorded (retry or DEAD) in the same transaction; the
-   others are unaffected;
+3. each handler runs in its own SAVEPOINT, emitted at its first statement
+   through ``ctx.session`` (a handler that never uses it pays no round trip):
+   one that raises is rolled back to it and its failure recorded (retry or
+   DEAD) in the same transaction; the others are unaffected;
 4. two statements complete the succeeded jobs and close their attempts, and
    the commit makes every handler's writes, dedupe rows and completions
    durable together.
@@ -336,10 +337,13 @@ class Executors:
         clock = self.app.clock
         control = _GroupControl(conn, item.rec, clock)
         try:
+            # The session emits the SAVEPOINT lazily, at the handler's first
+            # statement through it: a handler that never touches the
+            # database costs no round trip for it.  A checkpoint written
+            # through ``conn`` before that is outside the savepoint, which
+            # is where it belongs: it survives a failure (written again
+            # below in case the savepoint had it).
             with session.begin_nested():
-                # The session begins a savepoint lazily, at its next statement;
-                # a write through ``conn`` (a checkpoint) would come before it.
-                session.connection()
                 if item.early:  # its lease was checked under the lock
                     wait_until(clock, item.rec.due_at)
                 item.started = clock.now()

@@ -92,6 +92,23 @@ class Gate:
         assert await asyncio.to_thread(self.entered.wait, 30), "the gate job never started"
 
 
+async def run_behind_gate(app: duebox.Duebox, gate: Gate, job_ids: list[uuid.UUID], *,
+                          grouped: int, what: str, duplicates: int = 0) -> None:
+    """One worker with one executor: the gate job holds it while the others
+    queue, then is released; wait until every job is final and the worker
+    counted ``grouped`` grouped jobs (and ``duplicates`` duplicates)."""
+    async with Running(app, relays=0, workers=1, concurrency=1,
+                       worker_kw={"group_commit": 16}) as r:
+        seen_short_handlers(r)
+        await gate.wait_entered()
+        gate.release.set()
+        await r.wait(lambda: all_final(app.engine, job_ids), timeout=30, what=what)
+        await r.wait(lambda: r.worker_total("grouped") >= grouped, timeout=10,
+                     what="the worker to count grouped jobs")
+        await r.wait(lambda: r.worker_total("duplicates") >= duplicates, timeout=10,
+                     what="the worker to count duplicate jobs")
+
+
 async def test_a_backlog_runs_in_groups_and_each_job_once(database_url: str) -> None:
     app = make_app(database_url)
     try:
@@ -209,17 +226,8 @@ async def test_a_job_seen_before_is_closed_without_running(database_url: str) ->
             # a crash between the commit and the ack, say).
             conn.execute(processed.insert().values(consumer="duebox", message_id=str(ids[3]),
                                                    processed_at=datetime.now(UTC)))
-        async with Running(app, relays=0, workers=1, concurrency=1,
-                           worker_kw={"group_commit": 16}) as r:
-            seen_short_handlers(r)
-            await gate.wait_entered()
-            gate.release.set()
-            await r.wait(lambda: all_final(app.engine, [gate_id, *ids]), timeout=30,
-                         what="every job to finish")
-            await r.wait(lambda: r.worker_total("grouped") >= 9, timeout=10,
-                         what="the worker to count grouped jobs")
-            await r.wait(lambda: r.worker_total("duplicates") >= 1, timeout=10,
-                         what="the worker to count duplicates jobs")
+        await run_behind_gate(app, gate, [gate_id, *ids], grouped=9,
+                              what="every job to finish", duplicates=1)
         assert str(ids[3]) not in effect_rows(app.engine)
         assert str(ids[3]) not in {c[0] for c in app.calls.log}  # type: ignore[attr-defined]
         assert [a.outcome for a in attempt_rows(app.engine, ids[3])] == ["duplicate"]
@@ -307,15 +315,8 @@ async def test_a_checkpoint_survives_its_handler_failing_in_a_group(database_url
     try:
         gate_id, before, job_id = schedule_due(
             app, [("gate", None), ("effect", None), ("resumable", None)])
-        async with Running(app, relays=0, workers=1, concurrency=1,
-                           worker_kw={"group_commit": 16}) as r:
-            seen_short_handlers(r)
-            await gate.wait_entered()
-            gate.release.set()
-            await r.wait(lambda: all_final(app.engine, [gate_id, before, job_id]), timeout=30,
-                         what="the resumable job to succeed on its retry")
-            await r.wait(lambda: r.worker_total("grouped") >= 2, timeout=10,
-                         what="the worker to count grouped jobs")
+        await run_behind_gate(app, gate, [gate_id, before, job_id], grouped=2,
+                              what="the resumable job to succeed on its retry")
         assert seen == {1: None, 2: {"done": 3}}
     finally:
         gate.release.set()
@@ -374,21 +375,56 @@ async def test_a_failing_handlers_orm_objects_are_not_flushed_with_its_group(
     try:
         gate_id, *ids = schedule_due(
             app, [("gate", None)] + [("orm", {"fail": i == 1}) for i in range(4)])
-        async with Running(app, relays=0, workers=1, concurrency=1,
-                           worker_kw={"group_commit": 16}) as r:
-            seen_short_handlers(r)
-            await gate.wait_entered()
-            gate.release.set()
-            await r.wait(lambda: all_final(app.engine, [gate_id, *ids]), timeout=30,
-                         what="every job to succeed")
-            await r.wait(lambda: r.worker_total("grouped") >= 4, timeout=10,
-                         what="the worker to count grouped jobs")
+        await run_behind_gate(app, gate, [gate_id, *ids], grouped=4,
+                              what="every job to succeed")
         rows = effect_rows(app.engine)
         assert sorted(rows) == sorted(str(i) for i in ids)
         assert rows[str(ids[1])].attempt == 2  # attempt 1's pending row was discarded
     finally:
         gate.release.set()
         mapper_registry.dispose()
+        await app.adispose()
+
+
+async def test_a_savepoint_is_paid_only_by_handlers_that_use_the_session(
+        database_url: str) -> None:
+    """The savepoint of a handler that never touches ``ctx.session`` is never
+    emitted (no round trips for it); one that does gets its own, and a
+    failure on either side of it still rolls back only its own writes."""
+    app = make_app(database_url)
+    gate = Gate(app)
+    savepoints: list[str] = []
+
+    @app.task("mixed", retry=FAST_RETRY)
+    def mixed(payload: Any, ctx: duebox.JobContext) -> None:
+        if payload["writes"]:
+            ctx.session.execute(effects.insert().values(effect_values(ctx)))
+        if payload["fail"] and ctx.attempt == 1:
+            raise ConnectionError("downstream unavailable")
+
+    sa.event.listen(app.engine, "savepoint", lambda conn, name: savepoints.append(name))
+    # no write + fail, write + fail, write, no write, write, no write + fail
+    shapes = [(False, True), (True, True), (True, False), (False, False), (True, False),
+              (False, True)]
+    try:
+        gate_id, *ids = schedule_due(
+            app, [("gate", None)] + [("mixed", {"writes": w, "fail": f}) for w, f in shapes])
+        await run_behind_gate(app, gate, [gate_id, *ids], grouped=len(shapes),
+                              what="every job to succeed, the failing ones on their retry")
+        writers = [i for i, (w, _) in zip(ids, shapes, strict=True) if w]
+        rows = effect_rows(app.engine)
+        assert sorted(rows) == sorted(str(i) for i in writers)
+        for job_id, (w, f) in zip(ids, shapes, strict=True):
+            if w:
+                assert rows[str(job_id)].attempt == (2 if f else 1), job_id
+            outcomes = [a.outcome for a in attempt_rows(app.engine, job_id)]
+            assert outcomes == (["failed", "succeeded"] if f else ["succeeded"]), job_id
+        # One savepoint per run of a writing handler (3 in the group, then the
+        # retry of the one that failed, alone or grouped): none for the others.
+        assert len(savepoints) <= 4, savepoints
+        assert len(savepoints) >= 3, savepoints
+    finally:
+        gate.release.set()
         await app.adispose()
 
 
