@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import math
 import time
@@ -45,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from duebox.batched import Batched
 from duebox.errors import BrokerError, ConfigurationError, MissingDependencyError
 
 from ._waiting import wait_any
@@ -150,10 +152,13 @@ return {#ids, head[2] or false}
 
 # KEYS: ready, held.  ARGV: group, entry id, job id.
 _ACK = """
-redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-local cur = redis.call('HGET', KEYS[2], ARGV[3])
-if cur and string.match(cur, '|(.*)$') == ARGV[2] then redis.call('HDEL', KEYS[2], ARGV[3]) end
+for i = 2, #ARGV, 2 do
+  local entry, id = ARGV[i], ARGV[i + 1]
+  redis.pcall('XACK', KEYS[1], ARGV[1], entry)
+  redis.call('XDEL', KEYS[1], entry)
+  local cur = redis.call('HGET', KEYS[2], id)
+  if cur and string.match(cur, '|(.*)$') == entry then redis.call('HDEL', KEYS[2], id) end
+end
 return 1
 """
 
@@ -333,6 +338,10 @@ class RedisBroker(Broker):
         self._in_flight: dict[str, str] = {}  # stream entry id -> queue
         self._freed = asyncio.Event()
         self._cursors: dict[str, str] = {}
+        # Acks that queue up while one is on its way go together, one
+        # script call per queue (a round trip per ack cost a quarter of a
+        # busy worker's CPU).
+        self._acks: dict[str, Batched[tuple[str, str], None]] = {}
 
     # --- connection -----------------------------------------------------------
 
@@ -682,12 +691,23 @@ class RedisBroker(Broker):
         if settled is None:
             return
         k, entry, job = settled
+        acks = self._acks.get(k.ready)
+        if acks is None:
+            acks = self._acks[k.ready] = Batched(
+                "acking", functools.partial(self._ack_many, k), lanes=1)
         try:
-            await self._run("ack", [k.ready, k.held], [self.settings.group, entry, job])
+            await acks.call((entry, job))
         except RedisError as exc:
             # The entry stays pending; it is taken over after claim_idle and
             # the redelivery is discarded by the version check.
             log.warning("%s: ack of %s failed: %s", self._where(), entry, exc)
+
+    async def _ack_many(self, k: _Keys, acks: list[tuple[str, str]]) -> list[None]:
+        """XACK + XDEL each (stream entry, job id), and drop the job's index
+        entry if it still points at that entry: one script, atomic."""
+        await self._run("ack", [k.ready, k.held],
+                        [self.settings.group, *itertools.chain.from_iterable(acks)])
+        return [None] * len(acks)
 
     async def reject(self, delivery: Delivery, reason: str) -> None:
         if reason == "locked":  # the row was busy, not gone: look again shortly

@@ -1,5 +1,5 @@
 """Version-checked starts of delivered messages, several per transaction
-when they queue up (consumers/batched.py).
+when they queue up (duebox/batched.py).
 
 A message from a broker is only a hint: the job runs if its row still has
 the message's version and a startable state (invariant 4).  A batch of
@@ -15,10 +15,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from duebox import jobstore
+from duebox.batched import Batched
 from duebox.db import db_errors
 from duebox.message import JobMessage
 
-from .batched import Batched
 from .execution import Pools
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class Starts:
         self.worker = worker
         self._seq = itertools.count()
         self._batched: Batched[tuple[JobMessage, float], Started] = Batched(
-            "starting", self._start_batch, pools)
+            "starting", lambda batch: pools().db(self._start_batch, batch))
 
     async def start(self, message: JobMessage, ahead: float) -> Started:
         """Start the message's job (``ahead``: seconds before its due time it

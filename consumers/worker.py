@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
 from duebox import jobstore
+from duebox.batched import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
 from duebox.db import db_errors
@@ -44,7 +45,6 @@ from duebox.message import check_stored_payload
 from duebox.metrics import Metrics, process_metrics, seconds
 from duebox.tasks import Task
 
-from .batched import Batched
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
@@ -107,8 +107,9 @@ class Worker:
                                    self.concurrency, self.group_commit, self._grouped,
                                    lambda rec: self.rereads.call(rec))
         self.starts = Starts(app, self.name, lambda: self.pools)
+        reread = functools.partial(still_leased, app)
         self.rereads: Batched[jobstore.JobRecord, bool] = Batched(
-            "re-reading", functools.partial(still_leased, app), lambda: self.pools)
+            "re-reading", lambda records: self.pools.db(reread, records))
         # A broker buffers up to ``prefetch`` unacknowledged messages for
         # this worker; with group commit a few per executor, so a group can
         # form from those that wait while all executors are busy.

@@ -212,24 +212,40 @@ def mark_enqueued(
     ``fence``: a sharded relay's shard generation, still current)."""
     if not ids:
         return 0
+    in_order = conn.dialect.name == "postgresql"
     if broker_ids:
         total = 0
         for job_id in ids:
             total += conn.execute(
-                _mark_stmt(owner, now, fence).where(job.c.id == job_id).values(
+                _mark_stmt(owner, now, job.c.id == job_id, fence).values(
                     broker_message_id=broker_ids.get(job_id)
                 )
             ).rowcount
         return total
-    return conn.execute(_mark_stmt(owner, now, fence).where(job.c.id.in_(list(ids)))).rowcount
+    return conn.execute(_mark_stmt(owner, now, job.c.id.in_(list(ids)), fence,
+                                   in_id_order=in_order)).rowcount
 
 
-def _mark_stmt(owner: str, now: datetime, fence: ColumnElement[bool] | None = None) -> Update:
-    stmt = update(job).where(job.c.state == JobState.DISPATCHING, job.c.lease_owner == owner)
+def _mark_stmt(owner: str, now: datetime, chosen: ColumnElement[bool],
+               fence: ColumnElement[bool] | None = None, *, in_id_order: bool = False
+               ) -> Update:
+    """The mark of the ``chosen`` rows still DISPATCHING under ``owner``.
+
+    ``in_id_order`` (PostgreSQL): the rows are locked in id order first.  A
+    worker's version-checked start locks its batch's rows in id order and
+    waits for a mark holding one of them; a mark locking in scan order could
+    meanwhile wait for a row that start holds: a deadlock, which PostgreSQL
+    detects only after ``deadlock_timeout`` (a second).  (MariaDB refuses a
+    subquery on the table an UPDATE changes.)"""
+    condition = and_(chosen, job.c.state == JobState.DISPATCHING, job.c.lease_owner == owner)
     if fence is not None:
-        stmt = stmt.where(fence)
-    return stmt.values(state=JobState.ENQUEUED, published_at=now, lease_owner=None,
-                       lease_until=None, updated_at=now)
+        condition = and_(condition, fence)
+    if in_id_order:
+        condition = job.c.id.in_(
+            select(job.c.id).where(condition).order_by(job.c.id).with_for_update())
+    return update(job).where(condition).values(
+        state=JobState.ENQUEUED, published_at=now, lease_owner=None, lease_until=None,
+        updated_at=now)
 
 
 def release(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime) -> int:
@@ -445,7 +461,7 @@ def mark_and_claim(
     # One array parameter, not an IN list of 500: the statement text stays
     # the same, so neither SQLAlchemy nor psycopg re-renders or re-parses it.
     ids = bindparam("mark_ids", list(mark_ids), type_=postgresql.ARRAY(job.c.id.type))
-    marked = (_mark_stmt(mark_owner, now, fence).where(job.c.id == any_(ids))
+    marked = (_mark_stmt(mark_owner, now, job.c.id == any_(ids), fence, in_id_order=True)
               .returning(job.c.id).cte("marked"))
     due = job.c.due_at <= horizon
     if after is not None:

@@ -1,15 +1,20 @@
-"""consumers/batched.py: calls that queue up are served together; a batch
+"""core/batched.py: calls that queue up are served together; a batch
 that fails as a whole is retried item by item, so one bad item fails alone."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from duebox.consumers.batched import Batched
+from duebox.batched import Batched
 from duebox.consumers.execution import Pools
+
+
+def in_thread(run: Callable[[list[int]], list[int]]) -> Callable[[list[int]], Awaitable[list[int]]]:
+    return lambda items: Pools.default().db(run, items)
 
 
 async def test_calls_made_while_one_runs_are_served_together() -> None:
@@ -23,7 +28,7 @@ async def test_calls_made_while_one_runs_are_served_together() -> None:
             assert release.wait(10)
         return [i * 10 for i in items]
 
-    b: Batched[int, int] = Batched("testing", run, Pools.default, lanes=1)
+    b: Batched[int, int] = Batched("testing", in_thread(run), lanes=1)
     first = asyncio.create_task(b.call(0))
     assert await asyncio.to_thread(entered.wait, 10)  # it holds the only lane
     rest = [asyncio.create_task(b.call(i)) for i in range(1, 6)]
@@ -46,7 +51,7 @@ async def test_a_failing_batch_is_retried_item_by_item() -> None:
             raise RuntimeError("item 3 is bad")
         return items
 
-    b: Batched[int, int] = Batched("testing", run, Pools.default, lanes=1)
+    b: Batched[int, int] = Batched("testing", in_thread(run), lanes=1)
     first = asyncio.create_task(b.call(0))
     assert await asyncio.to_thread(entered.wait, 10)
     rest = [asyncio.create_task(b.call(i)) for i in range(1, 6)]

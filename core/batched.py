@@ -1,22 +1,20 @@
-"""Short database calls made by many deliveries at once, batched.
+"""Short calls made by many deliveries at once, batched.
 
-Each delivery's version-checked start, and each re-read of a job leased
-ahead of its due time, is one short statement.  Made one transaction per
-delivery they bound a worker to a few hundred jobs/s.  Here at most
-``lanes`` calls run at once; the deliveries that ask meanwhile wait and the
-next call serves them all together (up to ``most``).  With nothing waiting
-a delivery is served at once, so batching costs no latency.
+Each delivery's version-checked start, each re-read of a job leased ahead
+of its due time (one short statement each) and each Redis ack (one round
+trip each): made one by one they bound a worker to a few hundred jobs/s.
+Here at most ``lanes`` calls run at once; the deliveries that ask meanwhile
+wait and the next call serves them all together (up to ``most``).  With
+nothing waiting a delivery is served at once, so batching costs no latency.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
-
-from .execution import Pools
 
 log = logging.getLogger("duebox.worker")
 
@@ -31,17 +29,17 @@ class _Call(Generic[I, R]):
 
 
 class Batched(Generic[I, R]):
-    """``call(item)`` → ``run(items)[i]``, with ``run`` made in the worker's
-    database pool for as many waiting items as there are.  ``run`` must be
-    one transaction: if it raises for a batch, nothing of it happened and
-    each item is tried again alone (a deadlock with another worker's batch,
-    a dropped connection), so one bad item cannot fail the others."""
+    """``call(item)`` → ``(await run(items))[i]``, with ``run`` made for as
+    many waiting items as there are.  ``run`` must be all or nothing (one
+    transaction, one script): if it raises for a batch, nothing of it
+    happened and each item is tried again alone (a deadlock with another
+    worker's batch, a dropped connection), so one bad item cannot fail the
+    others."""
 
-    def __init__(self, what: str, run: Callable[[list[I]], list[R]],
-                 pools: Callable[[], Pools], lanes: int = 2, most: int = 256) -> None:
+    def __init__(self, what: str, run: Callable[[list[I]], Awaitable[list[R]]],
+                 lanes: int = 2, most: int = 256) -> None:
         self.what = what
         self.run = run
-        self.pools = pools
         self.lanes = lanes
         self.most = most
         self._pending: list[_Call[I, R]] = []
@@ -86,7 +84,7 @@ class Batched(Generic[I, R]):
             self._dispatch()
 
     async def _attempt(self, batch: list[_Call[I, R]]) -> None:
-        results = await self.pools().db(self.run, [c.item for c in batch])
+        results = await self.run([c.item for c in batch])
         for c, result in zip(batch, results, strict=True):
             if not c.future.done():
                 c.future.set_result(result)
