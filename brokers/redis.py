@@ -79,6 +79,9 @@ _IDLE_WAKE = 1.0  # the mover looks at least this often, in case a wake was miss
 # The mover hands a parked job to its stream this long before its score
 # (base.HANDOVER_LEAD); the worker holds the handler to the due time.
 _MOVE_LEAD_MS = HANDOVER_LEAD * 1000.0
+# Acks wait this long for others to go with them (the slot is free at once).
+_ACK_LINGER = 0.002
+_REFILL_PART = 8  # read again once this part of the prefetch is free
 _PRUNE_EVERY = 600.0  # seconds between sweeps for consumers that left long ago
 
 # KEYS: due, msg, ready, held.  ARGV: now_ms, wake channel, then (id, version,
@@ -382,6 +385,8 @@ class RedisBroker(Broker):
                             _text(policy))
 
     async def close(self) -> None:
+        for acks in self._acks.values():  # those still lingering go out first
+            await acks.flush()
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(RedisError, OSError):
@@ -500,7 +505,10 @@ class RedisBroker(Broker):
             while True:
                 _reraise_lost_cancel()
                 room = prefetch - len(self._in_flight)
-                if room <= 0:
+                # With most of the prefetch in hand, wait for a few slots
+                # to free up: refilling one slot per read cost a round trip
+                # per message.
+                if room <= 0 or (room < prefetch // _REFILL_PART and self._in_flight):
                     await wait_any(_IDLE_WAKE, self._freed)
                     self._freed.clear()
                     continue
@@ -694,7 +702,7 @@ class RedisBroker(Broker):
         acks = self._acks.get(k.ready)
         if acks is None:
             acks = self._acks[k.ready] = Batched(
-                "acking", functools.partial(self._ack_many, k), lanes=1)
+                "acking", functools.partial(self._ack_many, k), lanes=1, linger=_ACK_LINGER)
         try:
             await acks.call((entry, job))
         except RedisError as exc:

@@ -34,23 +34,45 @@ class Batched(Generic[I, R]):
     transaction, one script): if it raises for a batch, nothing of it
     happened and each item is tried again alone (a deadlock with another
     worker's batch, a dropped connection), so one bad item cannot fail the
-    others."""
+    others.
+
+    ``linger``: with no call running, wait this long for more items before
+    the first call (for calls nobody waits on to start work: acks)."""
 
     def __init__(self, what: str, run: Callable[[list[I]], Awaitable[list[R]]],
-                 lanes: int = 2, most: int = 256) -> None:
+                 lanes: int = 2, most: int = 256, linger: float = 0.0) -> None:
         self.what = what
         self.run = run
         self.lanes = lanes
         self.most = most
+        self.linger = linger
         self._pending: list[_Call[I, R]] = []
         self._active = 0
         self._running: set[asyncio.Task[None]] = set()
+        self._lingering: asyncio.TimerHandle | None = None
 
     async def call(self, item: I) -> R:
-        waiting: _Call[I, R] = _Call(item, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        waiting: _Call[I, R] = _Call(item, loop.create_future())
         self._pending.append(waiting)
-        self._dispatch()
+        if not self.linger:
+            self._dispatch()
+        elif self._lingering is None:
+            self._lingering = loop.call_later(self.linger, self._linger_over)
         return await waiting.future
+
+    async def flush(self) -> None:
+        """Serve the waiting items now and wait until every call ended."""
+        if self._lingering is not None:
+            self._lingering.cancel()
+            self._lingering = None
+        self._dispatch()
+        while self._running:
+            await asyncio.wait(set(self._running))
+
+    def _linger_over(self) -> None:
+        self._lingering = None
+        self._dispatch()
 
     def _dispatch(self) -> None:
         while self._pending and self._active < self.lanes:

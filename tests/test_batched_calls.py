@@ -65,3 +65,23 @@ async def test_a_failing_batch_is_retried_item_by_item() -> None:
     assert seen[2:] == [[1], [2], [3], [4], [5]]
     with pytest.raises(RuntimeError):
         await b.call(3)  # alone, it fails alone
+
+
+async def test_with_a_linger_calls_made_meanwhile_go_together_and_flush_sends_at_once() -> None:
+    batches: list[list[int]] = []
+
+    async def run(items: list[int]) -> list[int]:
+        batches.append(items)
+        return items
+
+    b: Batched[int, int] = Batched("testing", run, lanes=1, linger=0.05)
+    calls = [asyncio.create_task(b.call(i)) for i in range(5)]
+    assert [await t for t in calls] == [0, 1, 2, 3, 4]
+    assert batches == [[0, 1, 2, 3, 4]]
+    # flush() does not wait out the linger (60 s here) and returns once served.
+    b = Batched("testing", run, lanes=1, linger=60.0)
+    late = asyncio.create_task(b.call(5))
+    await asyncio.sleep(0)  # the call is queued
+    await asyncio.wait_for(b.flush(), 5)
+    assert batches[-1] == [5]  # served by flush(), not after the linger
+    assert await asyncio.wait_for(late, 1) == 5
