@@ -137,24 +137,26 @@ def _update_candidates(conn: Connection, stmt: Update, candidates: Select[Any]) 
 
 def _claim(
     conn: Connection, candidates: Select[Any], owner: str, values: dict[str, Any],
-    fence: ColumnElement[bool] | None = None,
+    fence: ColumnElement[bool] | None = None, params: dict[str, Any] | None = None,
 ) -> list[JobRecord]:
     """Lease the candidate rows to ``owner`` in one statement where the
     dialect allows ``UPDATE ... RETURNING``; MySQL/MariaDB take three.
     ``fence``: an extra condition every leased row must meet (a relay's shard
-    ownership, docs/scale.md)."""
+    ownership, docs/scale.md).  ``params``: values of bound parameters in
+    ``candidates`` and ``values``."""
     base = update(job).values(
         lease_owner=owner, lease_generation=job.c.lease_generation + 1, **values
     )
     if fence is not None:
         base = base.where(fence)
     if conn.dialect.update_returning:
-        rows = conn.execute(base.where(job.c.id.in_(candidates)).returning(*_ROW_COLUMNS)).all()
+        rows = conn.execute(base.where(job.c.id.in_(candidates)).returning(*_ROW_COLUMNS),
+                            params).all()
     else:
-        ids = list(conn.execute(candidates).scalars())
+        ids = list(conn.execute(candidates, params).scalars())
         if not ids:
             return []
-        conn.execute(base.where(job.c.id.in_(ids)))
+        conn.execute(base.where(job.c.id.in_(ids)), params)
         rows = conn.execute(
             select(*_ROW_COLUMNS).where(job.c.id.in_(ids), job.c.lease_owner == owner)
         ).all()
@@ -558,66 +560,49 @@ def start_many(
 ) -> dict[uuid.UUID, JobRecord]:
     """:func:`start` for several messages in one statement: the records of
     the jobs started, by id (a message that matches no row is absent)."""
-    pairs = [(m.job_id, m.version) for m in messages]
+    params = {"s_pairs": [(m.job_id, m.version) for m in messages], "s_now": now,
+              "s_due_by": now + timedelta(seconds=ahead), "s_owner": owner,
+              "s_until": lease_until}
     if conn.dialect.update_returning:
-        rows = conn.execute(_START, {
-            "s_pairs": pairs, "s_now": now, "s_due_by": now + timedelta(seconds=ahead),
-            "s_owner": owner, "s_until": lease_until}).all()
-        records = _records(rows)
+        records = _records(conn.execute(_START, params).all())
         records.sort(key=lambda r: (r.due_at, r.id))
-        return {rec.id: rec for rec in _open_attempts(conn, records, now, worker)}
-    condition = and_(
-        tuple_(job.c.id, job.c.version).in_(pairs) if len(pairs) > 1
-        else and_(job.c.id == pairs[0][0], job.c.version == pairs[0][1]),
-        job.c.state.in_(list(STARTABLE_STATES)),
-        job.c.due_at <= now + timedelta(seconds=ahead),
-        or_(job.c.expires_at.is_(None), job.c.expires_at > now),
-    )
-    # Not SKIP LOCKED: a row locked by the relay's mark must be waited for, or
-    # a message that overtook its own mark would be dropped.  Id order: two
-    # workers starting overlapping batches lock in the same order.
-    candidates = select(job.c.id).where(condition).order_by(job.c.id).with_for_update()
-    records = _claim(
-        conn, candidates, owner,
-        {"state": JobState.RUNNING, "lease_until": lease_until, "attempt": job.c.attempt + 1,
-         "started_at": case((job.c.due_at > now, job.c.due_at), else_=now), "updated_at": now,
-         # Delivered before the relay's mark landed (a held job is published
-         # a moment before its due time): the hand-over was just now.
-         "published_at": case((job.c.state == JobState.DISPATCHING, now),
-                              else_=job.c.published_at)},
-    )
+    else:
+        records = _claim(conn, _START_CANDIDATES, owner, _START_VALUES, params=params)
     return {rec.id: rec for rec in _open_attempts(conn, records, now, worker)}
 
 
-def _start_statement() -> Update:
-    """:func:`start_many`'s statement, built once with bound parameters (as
-    the completion's, below: building it per start cost more CPU than
-    running it).  The same rows and values as the general form there."""
-    now = bindparam("s_now", type_=job.c.updated_at.type)
-    candidates = (
-        select(job.c.id)
-        .where(tuple_(job.c.id, job.c.version).in_(bindparam("s_pairs", expanding=True)),
-               job.c.state.in_(list(STARTABLE_STATES)),
-               job.c.due_at <= bindparam("s_due_by", type_=job.c.due_at.type),
-               or_(job.c.expires_at.is_(None), job.c.expires_at > now))
-        .order_by(job.c.id).with_for_update()
-    )
-    return (
-        update(job)
-        .where(job.c.id.in_(candidates))
-        .values(lease_owner=bindparam("s_owner", type_=job.c.lease_owner.type),
-                lease_generation=job.c.lease_generation + 1, state=JobState.RUNNING,
-                lease_until=bindparam("s_until", type_=job.c.lease_until.type),
-                attempt=job.c.attempt + 1,
-                started_at=case((job.c.due_at > now, job.c.due_at), else_=now),
-                updated_at=now,
-                published_at=case((job.c.state == JobState.DISPATCHING, now),
-                                  else_=job.c.published_at))
-        .returning(*_ROW_COLUMNS)
-    )
-
-
-_START = _start_statement()
+# start_many's statement, built once with bound parameters (as the
+# completion's, below: building it per start cost more CPU than running it).
+# Not SKIP LOCKED: a row locked by the relay's mark must be waited for, or a
+# message that overtook its own mark would be dropped.  Id order: two workers
+# starting overlapping batches lock in the same order.
+_S_NOW = bindparam("s_now", type_=job.c.updated_at.type)
+_START_CANDIDATES = (
+    select(job.c.id)
+    .where(tuple_(job.c.id, job.c.version).in_(bindparam("s_pairs", expanding=True)),
+           job.c.state.in_(list(STARTABLE_STATES)),
+           job.c.due_at <= bindparam("s_due_by", type_=job.c.due_at.type),
+           or_(job.c.expires_at.is_(None), job.c.expires_at > _S_NOW))
+    .order_by(job.c.id).with_for_update()
+)
+_START_VALUES: dict[str, Any] = {
+    "state": JobState.RUNNING,
+    "lease_until": bindparam("s_until", type_=job.c.lease_until.type),
+    "attempt": job.c.attempt + 1,
+    "started_at": case((job.c.due_at > _S_NOW, job.c.due_at), else_=_S_NOW),
+    "updated_at": _S_NOW,
+    # Delivered before the relay's mark landed (a held job is published a
+    # moment before its due time): the hand-over was just now.
+    "published_at": case((job.c.state == JobState.DISPATCHING, _S_NOW),
+                         else_=job.c.published_at),
+}
+_START = (
+    update(job)
+    .where(job.c.id.in_(_START_CANDIDATES))
+    .values(lease_owner=bindparam("s_owner", type_=job.c.lease_owner.type),
+            lease_generation=job.c.lease_generation + 1, **_START_VALUES)
+    .returning(*_ROW_COLUMNS)
+)
 _INSERT_ATTEMPT = attempt.insert()
 
 
