@@ -200,24 +200,26 @@ def test_flask_recipe_schedules_in_db_session_and_runs_beside_it(
     monkeypatch.setenv("SHOP_DATABASE_URL", shop_db)
     shop = fresh_import("flask_shop.main", monkeypatch)
     app = shop.create_app()
-    with app.app_context():
-        shop.db.session.execute(text("INSERT INTO flask_shop_stock VALUES ('tea', 3)"))
-        shop.db.session.commit()
-    client = app.test_client()
-    placed = client.post("/orders", json={"item": "tea", "quantity": 2})
-    assert placed.status_code == 201, placed.text
-    assert client.post("/orders", json={"item": "tea", "quantity": 2}).status_code == 409
-    order_id = placed.get_json()["order_id"]
-    assert rows(shop_db, "SELECT state FROM duebox_job") == [("SCHEDULED",)]
-    with processes([[sys.executable, "-m", "duebox", "relay", "--app", app_spec],
-                    [sys.executable, "-m", "duebox", "worker", "--app", app_spec]],
-                   EXAMPLES, shop_db, tmp_path) as check:
-        wait_until(lambda: registered(shop_db), "the relay and the worker to start", check)
-        wait_until(lambda: client.get(f"/orders/{order_id}").get_json()["confirmations"] == 1,
-                   "the confirmation job to run in the worker process", check)
-    with app.app_context():
-        shop.db.engine.dispose()
-    shop.jobs.dispose()
+    try:
+        with app.app_context():
+            shop.db.session.execute(text("INSERT INTO flask_shop_stock VALUES ('tea', 3)"))
+            shop.db.session.commit()
+        client = app.test_client()
+        placed = client.post("/orders", json={"item": "tea", "quantity": 2})
+        assert placed.status_code == 201, placed.text
+        assert client.post("/orders", json={"item": "tea", "quantity": 2}).status_code == 409
+        order_id = placed.get_json()["order_id"]
+        assert rows(shop_db, "SELECT state FROM duebox_job") == [("SCHEDULED",)]
+        with processes([[sys.executable, "-m", "duebox", "relay", "--app", app_spec],
+                        [sys.executable, "-m", "duebox", "worker", "--app", app_spec]],
+                       EXAMPLES, shop_db, tmp_path) as check:
+            wait_until(lambda: registered(shop_db), "the relay and the worker to start", check)
+            wait_until(lambda: client.get(f"/orders/{order_id}").get_json()["confirmations"] == 1,
+                       "the confirmation job to run in the worker process", check)
+    finally:  # the app's and duebox's connections, also when the test fails
+        with app.app_context():
+            shop.db.engine.dispose()
+        shop.jobs.dispose()
     check_one_order_one_job_ran_once(shop_db, "flask_shop_order", order_id,
                                      placed.get_json()["job_id"])
 
