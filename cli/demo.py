@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session
 
 from duebox import Duebox, JobContext, migrate
 from duebox.consumers import Worker
-from duebox.relay import Relay
+
+from .background import Background
 
 demo_metadata = MetaData()
 effect = Table(
@@ -73,20 +74,15 @@ def run_demo(app: Duebox, jobs: int, spread: float, cancels: int) -> DemoResult:
     expected = jobs - len(cancelled)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        relay = Relay(app)
-        worker = Worker(app, queues=["demo"])
-        runners = [asyncio.create_task(relay.run(stop)), asyncio.create_task(worker.run(stop))]
         deadline = time.monotonic() + spread + 20
-        with click.progressbar(length=expected, label="jobs run", file=None) as bar:
-            done = 0
-            while done < expected and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-                now_done = await asyncio.to_thread(_count, app, run_id)
-                bar.update(now_done - done)
-                done = now_done
-        stop.set()
-        await asyncio.gather(*runners)
+        async with Background(app, worker=Worker(app, queues=["demo"])):
+            with click.progressbar(length=expected, label="jobs run", file=None) as bar:
+                done = 0
+                while done < expected and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                    now_done = await asyncio.to_thread(_count, app, run_id)
+                    bar.update(now_done - done)
+                    done = now_done
 
     asyncio.run(main())
     with app.engine.connect() as conn:

@@ -5,6 +5,8 @@ outbox); a relay hands it to the broker with the broker's native delay; a
 worker runs it exactly once in effect, never before its due time.
 """
 
+from typing import TYPE_CHECKING
+
 from .app import Duebox
 from .clock import Clock, DatabaseClock, FakeClock, SystemClock
 from .config import Settings
@@ -31,14 +33,24 @@ from .tasks import JobContext, RetryPolicy, Task
 
 __version__ = "0.1.0"
 
-# The consumer side lives in duebox.consumers (core imports nothing from it
-# eagerly); these names are resolved on first use.
+# The relay and the consumer side live in duebox.relay and duebox.consumers,
+# above core (core imports nothing from them at import time, and `import
+# duebox` loads no broker driver); these names are resolved on first use.
 _LAZY = {
     "dedupe": "duebox.consumers.dedupe",
     "SQLDedupeStore": "duebox.consumers.dedupe",
     "RedisDedupeStore": "duebox.consumers.dedupe",
     "DUPLICATE": "duebox.consumers.dedupe",
+    "Worker": "duebox.consumers.worker",
+    "Relay": "duebox.relay.relay",
+    "Background": "duebox.cli.background",
 }
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from duebox.cli.background import Background
+    from duebox.consumers.dedupe import DUPLICATE, RedisDedupeStore, SQLDedupeStore, dedupe
+    from duebox.consumers.worker import Worker
+    from duebox.relay.relay import Relay
 
 
 def __getattr__(name: str) -> object:
@@ -50,8 +62,13 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(module), name)
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
     "DUPLICATE",
+    "Background",
     "BrokerError",
     "Classifier",
     "Clock",
@@ -74,6 +91,7 @@ __all__ = [
     "Permanent",
     "PermissionDeniedError",
     "RedisDedupeStore",
+    "Relay",
     "RetryPolicy",
     "SQLDedupeStore",
     "Settings",
@@ -83,6 +101,7 @@ __all__ = [
     "Transient",
     "UnknownTaskError",
     "ValidationError",
+    "Worker",
     "__version__",
     "dedupe",
     "metadata",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -36,6 +36,7 @@ from .producer import (
 )
 from .registry import broker_class, check_broker_url, message_limit
 from .schedules import Schedules
+from .targets import AsyncTarget, SyncTarget
 from .tasks import Handler, RetryPolicy, Task, validate_task_options
 
 if TYPE_CHECKING:
@@ -239,6 +240,26 @@ class Duebox:
             headers_json=headers_json,
         )
 
+    # The producer API returns its result for a sync target (Session,
+    # Connection) and a coroutine for an async one (AsyncSession,
+    # AsyncConnection): the overloads tell a type checker which.
+
+    @overload
+    def schedule(
+        self, session: SyncTarget, name: str, payload: Any = None, *,
+        at: datetime | None = None, delay: timedelta | float | None = None,
+        key: str | None = None, priority: int = 0, tenant: str | None = None,
+        expires_at: datetime | None = None, headers: dict[str, Any] | None = None,
+    ) -> uuid.UUID: ...
+
+    @overload
+    def schedule(
+        self, session: AsyncTarget, name: str, payload: Any = None, *,
+        at: datetime | None = None, delay: timedelta | float | None = None,
+        key: str | None = None, priority: int = 0, tenant: str | None = None,
+        expires_at: datetime | None = None, headers: dict[str, Any] | None = None,
+    ) -> Coroutine[Any, Any, uuid.UUID]: ...
+
     def schedule(
         self,
         session: Target,
@@ -265,6 +286,13 @@ class Duebox:
         )
         return drive(session, insert_steps(new, dialect, self.clock.now(), self.settings.notify))
 
+    @overload
+    def schedule_many(self, session: SyncTarget, jobs: list[NewJob]) -> list[uuid.UUID]: ...
+
+    @overload
+    def schedule_many(self, session: AsyncTarget, jobs: list[NewJob]
+                      ) -> Coroutine[Any, Any, list[uuid.UUID]]: ...
+
     def schedule_many(
         self, session: Target, jobs: list[NewJob]
     ) -> list[uuid.UUID] | Awaitable[list[uuid.UUID]]:
@@ -278,6 +306,15 @@ class Duebox:
         copy = dialect == "postgresql" and copy_capable(session)
         return drive(session, insert_many_steps(jobs, dialect, self.clock.now(),
                                                 self.settings.notify, copy))
+
+    @overload
+    def cancel(self, session: SyncTarget, job_id: uuid.UUID | str, *,
+               operator: str | None = None, reason: str | None = None) -> bool: ...
+
+    @overload
+    def cancel(self, session: AsyncTarget, job_id: uuid.UUID | str, *,
+               operator: str | None = None, reason: str | None = None
+               ) -> Coroutine[Any, Any, bool]: ...
 
     def cancel(
         self, session: Target, job_id: uuid.UUID | str, *, operator: str | None = None,
@@ -293,6 +330,16 @@ class Duebox:
         if operator is not None or reason is not None:
             operator, reason = check_operator(operator, reason)
         return drive(session, cancel_steps(job_id, self.clock.now(), operator, reason))
+
+    @overload
+    def reschedule(self, session: SyncTarget, job_id: uuid.UUID | str, *,
+                   at: datetime | None = None, delay: timedelta | float | None = None
+                   ) -> None: ...
+
+    @overload
+    def reschedule(self, session: AsyncTarget, job_id: uuid.UUID | str, *,
+                   at: datetime | None = None, delay: timedelta | float | None = None
+                   ) -> Coroutine[Any, Any, None]: ...
 
     def reschedule(
         self, session: Target, job_id: uuid.UUID | str, *, at: datetime | None = None,

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import builtins
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from sqlalchemy import Row, delete, select, update
 
@@ -50,6 +50,7 @@ from .producer import (
 )
 from .states import JobState
 from .tables import job, schedule
+from .targets import AsyncTarget, SyncTarget
 
 if TYPE_CHECKING:
     from .app import Duebox
@@ -225,6 +226,27 @@ class Schedules:
     def __init__(self, app: Duebox) -> None:
         self._app = app
 
+    # Each method returns its result for a sync target and a coroutine for an
+    # async one (see duebox.targets); the overloads say which to a type checker.
+
+    @overload
+    def add(
+        self, session: SyncTarget, name: str, task: str, cron: str, *,
+        timezone: str = "UTC", payload: Any = None, queue: str | None = None,
+        jitter: int | timedelta = 0, misfire: str = DEFAULT_MISFIRE,
+        overlap: str = DEFAULT_OVERLAP, gap: str = DEFAULT_GAP, fold: str = DEFAULT_FOLD,
+        priority: int = 0, expire_after: int | timedelta | None = None, paused: bool = False,
+    ) -> uuid.UUID: ...
+
+    @overload
+    def add(
+        self, session: AsyncTarget, name: str, task: str, cron: str, *,
+        timezone: str = "UTC", payload: Any = None, queue: str | None = None,
+        jitter: int | timedelta = 0, misfire: str = DEFAULT_MISFIRE,
+        overlap: str = DEFAULT_OVERLAP, gap: str = DEFAULT_GAP, fold: str = DEFAULT_FOLD,
+        priority: int = 0, expire_after: int | timedelta | None = None, paused: bool = False,
+    ) -> Coroutine[Any, Any, uuid.UUID]: ...
+
     def add(
         self,
         session: Target,
@@ -307,11 +329,26 @@ class Schedules:
             "version": 1, "paused": paused, "created_at": now, "updated_at": now,
         }
 
+    @overload
+    def get(self, session: SyncTarget, ref: uuid.UUID | str) -> ScheduleInfo: ...
+
+    @overload
+    def get(self, session: AsyncTarget, ref: uuid.UUID | str
+            ) -> Coroutine[Any, Any, ScheduleInfo]: ...
+
     def get(self, session: Target, ref: uuid.UUID | str
             ) -> ScheduleInfo | Awaitable[ScheduleInfo]:
         """A schedule by id or name; :class:`ScheduleNotFoundError` if none."""
         dialect_of(session)
         return drive(session, _get_steps(ref))
+
+    @overload
+    def list(self, session: SyncTarget, *, include_paused: bool = True
+             ) -> builtins.list[ScheduleInfo]: ...
+
+    @overload
+    def list(self, session: AsyncTarget, *, include_paused: bool = True
+             ) -> Coroutine[Any, Any, builtins.list[ScheduleInfo]]: ...
 
     def list(self, session: Target, *, include_paused: bool = True
              ) -> builtins.list[ScheduleInfo] | Awaitable[builtins.list[ScheduleInfo]]:
@@ -319,11 +356,25 @@ class Schedules:
         dialect_of(session)
         return drive(session, _list_steps(include_paused))
 
+    @overload
+    def pause(self, session: SyncTarget, ref: uuid.UUID | str) -> bool: ...
+
+    @overload
+    def pause(self, session: AsyncTarget, ref: uuid.UUID | str
+              ) -> Coroutine[Any, Any, bool]: ...
+
     def pause(self, session: Target, ref: uuid.UUID | str) -> bool | Awaitable[bool]:
         """Stop generating occurrences; True if it was running.  Occurrences
         already generated (at most a poll interval ahead) are left alone."""
         dialect_of(session)
         return drive(session, _pause_steps(ref, self._app.clock.now()))
+
+    @overload
+    def resume(self, session: SyncTarget, ref: uuid.UUID | str) -> datetime | None: ...
+
+    @overload
+    def resume(self, session: AsyncTarget, ref: uuid.UUID | str
+               ) -> Coroutine[Any, Any, datetime | None]: ...
 
     def resume(self, session: Target, ref: uuid.UUID | str
                ) -> datetime | Awaitable[datetime | None] | None:
@@ -332,12 +383,28 @@ class Schedules:
         dialect_of(session)
         return drive(session, _resume_steps(ref, self._app.clock.now()))
 
+    @overload
+    def delete(self, session: SyncTarget, ref: uuid.UUID | str, *,
+               cancel_pending: bool = True) -> int: ...
+
+    @overload
+    def delete(self, session: AsyncTarget, ref: uuid.UUID | str, *,
+               cancel_pending: bool = True) -> Coroutine[Any, Any, int]: ...
+
     def delete(self, session: Target, ref: uuid.UUID | str, *, cancel_pending: bool = True
                ) -> int | Awaitable[int]:
         """Delete a schedule; with ``cancel_pending`` (the default) its
         occurrences not yet started are cancelled.  Returns how many were."""
         dialect_of(session)
         return drive(session, _delete_steps(ref, self._app.clock.now(), cancel_pending))
+
+    @overload
+    def history(self, session: SyncTarget, ref: uuid.UUID | str, limit: int = 10
+                ) -> builtins.list[Row[Any]]: ...
+
+    @overload
+    def history(self, session: AsyncTarget, ref: uuid.UUID | str, limit: int = 10
+                ) -> Coroutine[Any, Any, builtins.list[Row[Any]]]: ...
 
     def history(self, session: Target, ref: uuid.UUID | str, limit: int = 10
                 ) -> builtins.list[Row[Any]] | Awaitable[builtins.list[Row[Any]]]:

@@ -47,6 +47,15 @@ MYSQL_ADMIN_URL = os.environ.get("DUEBOX_TEST_MYSQL", "mysql+pymysql://root@127.
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from installed import missing_links
+
+    missing = missing_links()
+    if missing:
+        pytest.exit(f"duebox's editable install predates {', '.join(missing[:5])}: "
+                    "run `pip install -e .` again (see tests/installed.py)", returncode=4)
+
+
 def service_missing(what: str, exc: BaseException) -> None:
     if IN_CI:
         pytest.fail(f"{what} is required under CI=true and is not reachable: {exc}")

@@ -8,13 +8,15 @@ import duebox
 
 def test_public_names_are_pinned() -> None:
     assert sorted(duebox.__all__) == sorted([
-        "DUPLICATE", "BrokerError", "Classifier", "Clock", "ConfigurationError", "DatabaseClock",
+        "DUPLICATE", "Background", "BrokerError", "Classifier", "Clock", "ConfigurationError",
+        "DatabaseClock",
         "DatabaseError", "Duebox", "DueboxError", "FailureClass", "FakeClock", "JobContext",
         "JobMessage", "JobNotFoundError", "JobState", "JobStateError", "LeaseLostError",
         "MessageDecodeError", "MissingDependencyError", "NewJob", "Permanent",
         "PermissionDeniedError",
-        "RedisDedupeStore", "RetryPolicy", "SQLDedupeStore", "Settings", "SystemClock", "Task",
-        "Throttled", "Transient", "UnknownTaskError", "ValidationError", "__version__",
+        "RedisDedupeStore", "Relay", "RetryPolicy", "SQLDedupeStore", "Settings", "SystemClock",
+        "Task",
+        "Throttled", "Transient", "UnknownTaskError", "ValidationError", "Worker", "__version__",
         "dedupe", "metadata",
     ])
     for name in duebox.__all__:
@@ -33,3 +35,22 @@ def test_import_loads_no_broker_driver() -> None:
             "print(sorted(m for m in ('pika', 'boto3', 'aiokafka', 'redis') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_lazy_names_are_listed_and_loaded_on_first_use() -> None:
+    lazy = ["DUPLICATE", "Background", "RedisDedupeStore", "Relay", "SQLDedupeStore", "Worker",
+            "dedupe"]
+    code = ("import sys, duebox; "
+            "print(sorted(m for m in sys.modules if m.startswith(('duebox.relay', "
+            "'duebox.consumers', 'duebox.cli')))); "
+            f"print(sorted(n for n in {lazy!r} if n in dir(duebox)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded, listed = out.stdout.splitlines()
+    assert loaded == "[]"  # `import duebox` stays light: core imports no upper floor
+    assert listed == repr(sorted(lazy))
+    assert set(lazy) <= set(dir(duebox))
+    from duebox.cli.background import Background
+    from duebox.consumers import Worker
+    from duebox.relay import Relay
+
+    assert (duebox.Worker, duebox.Relay, duebox.Background) == (Worker, Relay, Background)
