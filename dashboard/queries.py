@@ -65,12 +65,14 @@ class Cursor:
 
 
 def _instant(field: str, text: str) -> datetime:
+    """An ISO 8601 time (UTC unless it has an offset) as a UTC instant."""
     try:
         at = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValidationError(field, "must be an ISO 8601 time, e.g. 2026-03-29T02:30",
-                              text) from None
-    return at if at.tzinfo else at.replace(tzinfo=UTC)
+        # An offset can carry a time at the calendar's ends past them in UTC.
+        return at.astimezone(UTC) if at.tzinfo else at.replace(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        raise ValidationError(field, "must be an ISO 8601 time within years 1-9999 UTC, e.g. "
+                                     "2026-03-29T02:30", text) from None
 
 
 def parse_filter(args: dict[str, str]) -> JobFilter:
