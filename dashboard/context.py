@@ -16,7 +16,7 @@ from sqlalchemy import Connection
 from duebox import Duebox
 from duebox.db import SQLITE_DEFERRED, db_errors
 
-from .masking import masked
+from .masking import Masked, masked, shown_as_is
 from .render import esc, notice
 from .security import Guard
 from .web import Request
@@ -47,9 +47,14 @@ class Dashboard:
         with db_errors(what), self._reader.connect() as conn:
             yield conn
 
-    def mask(self, task: str, payload: Any) -> tuple[Any, str]:
+    def mask(self, task: str, payload: Any) -> Masked:
+        """What may be shown of a job or schedule of ``task`` (payload and
+        error text alike)."""
         return masked(self.app, task, payload,
                       show_unregistered=self.show_unregistered_payloads)
+
+    def shown_as_is(self, task: str) -> bool:
+        return shown_as_is(self.app, task, show_unregistered=self.show_unregistered_payloads)
 
     def flash(self, text: str, kind: str = "ok") -> str:
         """Keep a message for the page the browser is redirected to."""

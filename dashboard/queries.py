@@ -65,12 +65,14 @@ class Cursor:
 
 
 def _instant(field: str, text: str) -> datetime:
+    """An ISO 8601 time (UTC unless it has an offset) as a UTC instant."""
     try:
         at = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValidationError(field, "must be an ISO 8601 time, e.g. 2026-03-29T02:30",
-                              text) from None
-    return at if at.tzinfo else at.replace(tzinfo=UTC)
+        # An offset can carry a time at the calendar's ends past them in UTC.
+        return at.astimezone(UTC) if at.tzinfo else at.replace(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        raise ValidationError(field, "must be an ISO 8601 time within years 1-9999 UTC, e.g. "
+                                     "2026-03-29T02:30", text) from None
 
 
 def parse_filter(args: dict[str, str]) -> JobFilter:
@@ -134,6 +136,14 @@ def search_jobs(conn: Connection, f: JobFilter, *, limit: int = 50,
     rows = merged[:limit]
     more = len(merged) > limit
     return JobPage(rows, Cursor(rows[-1].due_at, rows[-1].id) if more and rows else None)
+
+
+def payloads(conn: Connection, ids: list[uuid.UUID]) -> dict[uuid.UUID, Any]:
+    """The payloads of a page of jobs (primary-key lookups)."""
+    if not ids:
+        return {}
+    rows = conn.execute(select(job.c.id, job.c.payload).where(job.c.id.in_(ids))).all()
+    return {r.id: r.payload for r in rows}
 
 
 # --- charts ---------------------------------------------------------------------------

@@ -67,6 +67,12 @@ def pre_json(value: Any) -> str:
     return f"<pre>{esc(json.dumps(value, indent=2, sort_keys=True, default=str))}</pre>"
 
 
+def payload_section(shown: Any, note: str, hidden: bool) -> str:
+    """The Payload heading, a note on masking, and the payload unless hidden."""
+    return ("<h2>Payload</h2>" + (f"<p class=muted>{esc(note)}</p>" if note else "")
+            + ("" if hidden else pre_json(shown)))
+
+
 def badge(state: str) -> str:
     return f'<span class="badge s-{esc(state.lower())}">{esc(state)}</span>'
 

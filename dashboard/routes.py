@@ -1,9 +1,17 @@
-"""URL → view, and what the user sees when something goes wrong."""
+"""URL → view, and what the user sees when something goes wrong.
+
+:func:`respond` is the whole application as the server sees it: a checked
+:class:`Request` in, a :class:`Response` with the security headers out.
+Every response allows this origin only (no inline script, no external URL)
+and carries the CSRF cookie when the browser has none yet.
+"""
 
 from __future__ import annotations
 
 import logging
 from importlib import resources
+
+from sqlalchemy import exc as sa_exc
 
 from duebox.errors import DatabaseError, JobNotFoundError, ValidationError
 
@@ -11,12 +19,19 @@ from duebox.errors import DatabaseError, JobNotFoundError, ValidationError
 from . import actions, views_jobs, views_ops, views_overview  # noqa: F401
 from .context import Dashboard
 from .render import esc, page
-from .web import ROUTES, HTTPError, Request, Response
+from .web import HTTPError, Request, Response, find_route
 
 log = logging.getLogger("duebox.dashboard")
 
 _STATIC = {"dashboard.css": "text/css; charset=utf-8",
            "dashboard.js": "text/javascript; charset=utf-8"}
+SECURITY_HEADERS = [
+    ("Content-Security-Policy",
+     "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "same-origin"),
+]
 
 
 def _static(name: str) -> Response:
@@ -27,10 +42,25 @@ def _static(name: str) -> Response:
                     headers=[("Cache-Control", "max-age=300")])
 
 
-def _error(status: int, message: str) -> Response:
+def error_page(status: int, message: str, headers: list[tuple[str, str]] | None = None
+               ) -> Response:
     body = (f'<p class="notice bad">{esc(message)}</p>'
             '<p><a href="/">overview</a></p>')
-    return Response(status, page("Refused" if status in (403, 429) else "Error", body))
+    return Response(status, page("Refused" if status in (403, 429) else "Error", body),
+                    headers=list(headers or []))
+
+
+def secured(response: Response) -> Response:
+    """``response`` with the security headers (and no caching unless it says)."""
+    response.headers[:0] = SECURITY_HEADERS
+    if not any(name == "Cache-Control" for name, _ in response.headers):
+        response.headers.append(("Cache-Control", "no-store"))
+    return response
+
+
+def wants_body(method: str, path: str) -> bool:
+    """Whether a request is one whose body a view reads (an action)."""
+    return method == "POST" and find_route("POST", path) is not None
 
 
 def handle(d: Dashboard, request: Request) -> Response:
@@ -40,23 +70,43 @@ def handle(d: Dashboard, request: Request) -> Response:
         try:
             return _static(request.path.removeprefix("/static/"))
         except HTTPError as exc:
-            return _error(exc.status, exc.message)
+            return error_page(exc.status, exc.message)
     method = "GET" if request.method == "HEAD" else request.method
     if method not in ("GET", "POST"):
-        return _error(405, f"method {request.method} is not allowed")
+        return error_page(405, f"method {request.method} is not allowed",
+                          [("Allow", "GET, HEAD, POST")])
     try:
-        for verb, pattern, view in ROUTES:
-            m = pattern.fullmatch(request.path) if verb == method else None
-            if m:
-                return view(d, request, *m.groups())
-        raise HTTPError(404, f"no page at {request.path}")
+        found = find_route(method, request.path)
+        if found is None:
+            raise HTTPError(404, f"no page at {request.path}")
+        view, groups = found
+        return view(d, request, *groups)
     except HTTPError as exc:
-        return _error(exc.status, exc.message)
+        return error_page(exc.status, exc.message, exc.headers)
     except JobNotFoundError as exc:
-        return _error(404, str(exc))
+        return error_page(404, str(exc))
     except ValidationError as exc:
-        return _error(400, f"{type(exc).__name__}: {exc}")
+        return error_page(400, f"{type(exc).__name__}: {exc}")
     except DatabaseError as exc:
         log.warning("dashboard: %s", exc)
         # Unreachable, or (PermissionDeniedError) the role may not do this.
-        return _error(503, f"{type(exc).__name__}: {exc}")
+        return error_page(503, f"{type(exc).__name__}: {exc}")
+    except sa_exc.DataError as exc:
+        # A value the database refuses that inputs.py let through: still the
+        # request's fault, said in one line (and worth a stricter check).
+        log.warning("dashboard: %s %s: the database refused a value: %s", request.method,
+                    request.path, str(exc.orig).strip().splitlines()[0])
+        return error_page(400, "the database refused a value in this request")
+
+
+def respond(d: Dashboard, request: Request) -> Response:
+    """The response to a checked request, as it goes on the wire."""
+    request.csrf_cookie, set_cookie = d.guard.cookie(request)
+    try:
+        response = handle(d, request)
+    except Exception:
+        log.exception("dashboard: %s %s failed", request.method, request.path)
+        response = Response(500, b"internal error (see the dashboard's log)", "text/plain")
+    if set_cookie:
+        response.headers.append(("Set-Cookie", set_cookie))
+    return secured(response)

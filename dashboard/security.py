@@ -1,11 +1,21 @@
-"""Who may change things: the operator token, CSRF, and a cap on actions.
+"""Who may change things: the operator token, CSRF, and caps on actions and
+on failed authentication.
 
 The dashboard is read-only unless it was started with a token.  A mutating
 request must then carry, in its form: the token, an operator name and a
 reason (both land in the audit table), and a CSRF field bound to a cookie of
 this browser (a double-submit cookie, signed with this server's secret, so a
-page on another site can neither read nor forge it); a request whose Origin
-is another site is refused before anything else is looked at.
+page on another site can neither read nor forge it).  The field carries the
+time it was issued under the same signature and is refused once older than
+``csrf_max_age`` (reload the page for a fresh one).
+
+Before the body of a mutating request is even read (:meth:`Guard.before_body`)
+it is refused if the dashboard is read-only, if the client is throttled for
+failed authentication (429, :mod:`.throttle`), or if it comes from another
+site: an ``Origin`` that is not this dashboard (``null`` included: sandboxed
+frames and some redirects send it) or ``Sec-Fetch-Site`` other than
+``same-origin``.  Browsers send one or both with every form POST; a request
+with neither (curl, scripts) is judged by its CSRF field and token alone.
 """
 
 from __future__ import annotations
@@ -16,18 +26,24 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from duebox.dlq import check_operator
 from duebox.errors import ValidationError
 
+from .throttle import Throttle
 from .web import HTTPError, Request
 
 CSRF_COOKIE = "duebox_csrf"
+CSRF_MAX_AGE = 2 * 3600.0  # seconds a form stays usable
+_CLOCK_SLACK = 60.0  # a field "from the future" by less than this is the clock stepping
 
 
 class Guard:
     def __init__(self, token: str | None, *, secret: bytes | None = None,
-                 actions_per_minute: int = 30) -> None:
+                 actions_per_minute: int = 30, csrf_max_age: float = CSRF_MAX_AGE,
+                 clock: Callable[[], float] = time.time) -> None:
         if token is not None and len(token) < 8:
             raise ValidationError("token", "must be at least 8 characters", "***")
         self.token = token
@@ -35,6 +51,9 @@ class Guard:
         self._limit = actions_per_minute
         self._recent: deque[float] = deque()
         self._lock = threading.Lock()
+        self._clock = clock
+        self.csrf_max_age = csrf_max_age
+        self.throttle = Throttle(clock)
 
     @property
     def read_only(self) -> bool:
@@ -49,26 +68,56 @@ class Guard:
         value = secrets.token_hex(32)
         return value, f"{CSRF_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict"
 
+    def _sign(self, cookie: str, issued: str) -> str:
+        return hmac.new(self._secret, f"{cookie}.{issued}".encode(), hashlib.sha256).hexdigest()
+
     def csrf_field(self, cookie: str) -> str:
-        return hmac.new(self._secret, cookie.encode(), hashlib.sha256).hexdigest()
+        """``<issued at>.<HMAC of cookie and issued at>``."""
+        issued = str(int(self._clock()))
+        return f"{issued}.{self._sign(cookie, issued)}"
+
+    def _csrf_refusal(self, cookie: str, sent: str) -> str | None:
+        issued, _, mac = sent.partition(".")
+        if not cookie or not issued.isdigit() or len(issued) > 12 or not hmac.compare_digest(
+                mac.encode(), self._sign(cookie, issued).encode()):
+            return "refused: missing or wrong CSRF field (reload the page)"
+        age = self._clock() - int(issued)
+        if not -_CLOCK_SLACK <= age <= self.csrf_max_age:
+            return (f"refused: the form has expired (older than {self.csrf_max_age / 60:g} "
+                    "min): reload the page")
+        return None
+
+    def before_body(self, request: Request) -> None:
+        """Refuse a mutating request on what its head says (raises
+        :class:`HTTPError`); cheap, so it runs before the body is read."""
+        if self.token is None:
+            raise HTTPError(403, "refused: this dashboard is read-only (start it with --token "
+                                 "or DUEBOX_DASHBOARD_TOKEN to allow actions)")
+        wait = self.throttle.retry_after(request.client)
+        if wait is not None:
+            raise HTTPError(429, f"refused: too many failed attempts; try again in {wait} s",
+                            headers=[("Retry-After", str(wait))])
+        origin = request.headers.get("origin")
+        if origin is not None and not _same_origin(origin, request.headers.get("host", "")):
+            raise HTTPError(403, f"refused: cross-site request from {origin}")
+        site = request.headers.get("sec-fetch-site")
+        if site is not None and site not in ("same-origin", "none"):
+            raise HTTPError(403, f"refused: cross-site request ({site})")
 
     def authorize(self, request: Request) -> tuple[str, str]:
         """Check a mutating request; returns (operator, reason) or raises
         :class:`HTTPError` saying why it is refused."""
-        if self.token is None:
-            raise HTTPError(403, "refused: this dashboard is read-only (start it with --token "
-                                 "or DUEBOX_DASHBOARD_TOKEN to allow actions)")
-        origin = request.headers.get("origin")
-        host = request.headers.get("host", "")
-        if origin and origin != "null" and origin.split("://", 1)[-1] != host:
-            raise HTTPError(403, f"refused: cross-site request from {origin}")
-        cookie = request.cookies.get(CSRF_COOKIE, "")
-        sent = request.form.get("csrf", "")
-        if not cookie or not hmac.compare_digest(sent, self.csrf_field(cookie)):
-            raise HTTPError(403, "refused: missing or stale CSRF field (reload the page)")
-        if not hmac.compare_digest(request.form.get("token", "").encode(),
-                                   self.token.encode()):
-            raise HTTPError(403, "refused: wrong or missing operator token")
+        self.before_body(request)
+        token = self.token
+        assert token is not None  # before_body refused a read-only dashboard
+        refusal = self._csrf_refusal(request.cookies.get(CSRF_COOKIE, ""),
+                                     request.form.get("csrf", ""))
+        if refusal is None and not hmac.compare_digest(
+                request.form.get("token", "").encode(), token.encode()):
+            refusal = "refused: wrong or missing operator token"
+        if refusal is not None:
+            self.throttle.failed(request.client)
+            raise HTTPError(403, refusal)
         try:
             operator, reason = check_operator(request.form.get("operator"),
                                               request.form.get("reason"))
@@ -83,5 +132,19 @@ class Guard:
             while self._recent and now - self._recent[0] > 60:
                 self._recent.popleft()
             if len(self._recent) >= self._limit:
-                raise HTTPError(429, f"refused: more than {self._limit} actions in a minute")
+                raise HTTPError(429, f"refused: more than {self._limit} actions in a minute",
+                                headers=[("Retry-After",
+                                          str(max(1, int(61 - (now - self._recent[0])))))])
             self._recent.append(now)
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    """``Origin`` names this dashboard as the browser reached it (``null``,
+    another host or a malformed value do not)."""
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    return (parts.scheme in ("http", "https") and bool(host)
+            and parts.netloc.lower() == host.strip().lower()
+            and origin.lower() == f"{parts.scheme}://{parts.netloc}".lower())

@@ -1,36 +1,88 @@
-"""The HTTP server: the standard library's threading server, nothing to build.
+"""The HTTP server: one event-loop thread for the connections, a bounded
+pool of threads for the views.  Standard library only (asyncio).
 
-Every response carries a Content-Security-Policy that allows this origin
-only (no inline script, no external URL), and the CSRF cookie when the
-browser has none yet.
+The standard library's ``ThreadingHTTPServer`` (used before) gives every
+connection a thread for as long as it lasts and reads without deadlines:
+600 half-open connections held 600 threads.  Here:
+
+* The event loop owns every socket; a connection waiting for a request head
+  costs a few kilobytes, not a thread.  The head must come whole within
+  ``head_timeout``, the body within ``body_timeout``, and the client must
+  take the response within ``write_timeout``, or the connection is closed
+  (:mod:`.http11`).  A kept-alive connection waits for its next head under
+  the same deadline.
+* At most ``max_connections``.  When full, the connection that has waited
+  longest for a head is closed to make room: a slowloris attack evicts its
+  own connections while a real client's head arrives within milliseconds.
+  When no connection is waiting, the newcomer is answered 503 and closed.
+* Views (database reads, actions) run on at most ``threads`` threads; a
+  request waits at most ``queue_wait`` seconds for one, then gets 503.
+* What the head decides is decided in the loop, before any body byte is
+  read: framing (400/411/413), the Host allow-list (421, :mod:`.hosts`), and
+  for an action the read-only, throttle and origin checks (403/429,
+  :meth:`.Guard.before_body`).  Only then is an action's body read.  A
+  response sent without reading a body closes the connection after a short
+  lingering drain, so the client reads the response rather than a reset.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import resource
 import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from http.cookies import CookieError, SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 from duebox import Duebox
+from duebox.errors import ValidationError
 
 from .context import Dashboard
-from .routes import handle
+from .hosts import HostAllowList, checked_name, listen
+from .http11 import (
+    CONTINUE,
+    Head,
+    ProtocolError,
+    encode_response,
+    read_body,
+    read_head,
+)
+from .inputs import decode_form, decode_target
+from .routes import error_page, respond, secured, wants_body
 from .security import Guard
-from .web import Request, Response
+from .web import HTTPError, Request, Response
 
 log = logging.getLogger("duebox.dashboard")
 
-MAX_FORM_BYTES = 64 * 1024
-SECURITY_HEADERS = [
-    ("Content-Security-Policy",
-     "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
-     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"),
-    ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "same-origin"),
-]
+LINGER_SECONDS = 2.0  # drain what a client still sends after a response that closes
+LINGER_BYTES = 256 * 1024
+
+
+def _default_max_connections() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 512 if soft == resource.RLIM_INFINITY else max(16, min(512, soft // 2))
+
+
+@dataclass(frozen=True)
+class Limits:
+    head_timeout: float = 10.0  # seconds for a whole request head (also idle keep-alive)
+    body_timeout: float = 10.0
+    write_timeout: float = 10.0
+    max_head: int = 16 * 1024  # bytes of request line and headers
+    max_body: int = 32 * 1024  # bytes of an action's form
+    threads: int = 8  # views running at once
+    queue_wait: float = 5.0  # seconds a request waits for a thread before 503
+    max_connections: int = field(default_factory=_default_max_connections)
+
+
+@dataclass
+class _Connection:
+    writer: asyncio.StreamWriter
+    waiting_since: float | None  # since when it waits for a head; None while busy
 
 
 def _cookies(header: str | None) -> dict[str, str]:
@@ -42,101 +94,210 @@ def _cookies(header: str | None) -> dict[str, str]:
     return {k: m.value for k, m in jar.items()}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: DashboardServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def _serve(self, method: str) -> None:
-        parts = urlsplit(self.path)
-        form: dict[str, str] = {}
-        if method == "POST":
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_FORM_BYTES:
-                self._send(Response(413, b"form too large", "text/plain"))
-                return
-            form = dict(parse_qsl(self.rfile.read(length).decode("utf-8", "replace")))
-        request = Request(method=method, path=parts.path or "/",
-                          query=dict(parse_qsl(parts.query)), form=form,
-                          cookies=_cookies(self.headers.get("Cookie")),
-                          headers={k.lower(): v for k, v in self.headers.items()})
-        dash = self.server.dashboard
-        if not self.server.host_allowed(request.headers.get("host", "")):
-            # DNS rebinding: a foreign site's name pointed at 127.0.0.1.
-            self._send(Response(421, b"unexpected Host header", "text/plain"))
-            return
-        request.csrf_cookie, set_cookie = dash.guard.cookie(request)
-        try:
-            response = handle(dash, request)
-        except Exception:
-            log.exception("dashboard: %s %s failed", method, self.path)
-            response = Response(500, b"internal error (see the dashboard's log)", "text/plain")
-        if set_cookie:
-            response.headers.append(("Set-Cookie", set_cookie))
-        self._send(response, head=method == "HEAD")
-
-    def _send(self, response: Response, head: bool = False) -> None:
-        body = response.body.encode() if isinstance(response.body, str) else response.body
-        self.send_response(response.status)
-        self.send_header("Content-Type", response.content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in [*SECURITY_HEADERS, *response.headers]:
-            self.send_header(name, value)
-        if "Cache-Control" not in dict(response.headers):
-            self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_HEAD(self) -> None:
-        self._serve("HEAD")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
+def _plain(status: int, message: str, headers: Iterable[tuple[str, str]] = ()) -> Response:
+    return secured(Response(status, f"{message}\n".encode(), "text/plain; charset=utf-8",
+                            headers=list(headers)))
 
 
-class DashboardServer(ThreadingHTTPServer):
+class DashboardServer:
     """``DashboardServer(app, port=0).start()`` serves on a thread (tests);
-    :meth:`serve_forever` in the foreground (``duebox dashboard``)."""
-
-    daemon_threads = True
+    :meth:`serve_forever` in the foreground (``duebox dashboard``).  Binds in
+    the constructor (OSError if it cannot)."""
 
     def __init__(self, app: Duebox, *, host: str = "127.0.0.1", port: int = 8377,
                  token: str | None = None, refresh: float = 2.0,
-                 show_unregistered_payloads: bool = False) -> None:
-        self.dashboard = Dashboard(app, Guard(token), refresh=refresh,
+                 show_unregistered_payloads: bool = False, allow_hosts: Iterable[str] = (),
+                 limits: Limits | None = None) -> None:
+        guard = Guard(token, clock=lambda: app.clock.now().timestamp())
+        self.dashboard = Dashboard(app, guard, refresh=refresh,
                                    show_unregistered_payloads=show_unregistered_payloads)
-        super().__init__((host, port), _Handler)
-        self._loopback = host in ("127.0.0.1", "localhost", "::1")
+        self.limits = limits or Limits()
+        names = [checked_name(n) for n in allow_hosts]  # refused before binding
+        self._socket = listen(host, port)
+        self.hosts = HostAllowList(self._socket.getsockname()[0], names)
+        self._pool = ThreadPoolExecutor(self.limits.threads, thread_name_prefix="duebox-dashboard")
+        self._connections: dict[asyncio.Task[None], _Connection] = {}
+        self._slots = asyncio.Semaphore(self.limits.threads)
+        self._stopping = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
-    def host_allowed(self, host_header: str) -> bool:
-        """On a loopback address only loopback names may be asked for (a
-        page elsewhere cannot rebind its own name to this server); on any
-        other address the proxy in front decides."""
-        if not self._loopback:
-            return True
-        name = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
-        return name in ("127.0.0.1", "localhost", "[::1]")
+    @property
+    def server_address(self) -> tuple[str, int]:
+        host, port = self._socket.getsockname()[:2]
+        return host, port
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host!s}:{port}"
+        host, port = self.server_address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    # --- running -------------------------------------------------------------------
+
+    async def _serve(self, started: threading.Event | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        server = await asyncio.start_server(self._connection, sock=self._socket,
+                                            limit=self.limits.max_head)
+        if started is not None:
+            started.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            server.close()
+            for task in list(self._connections):
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+
+    def serve_forever(self) -> None:
+        """Serve until interrupted (KeyboardInterrupt) or :meth:`stop`."""
+        asyncio.run(self._serve())
 
     def start(self) -> DashboardServer:
-        self._thread = threading.Thread(target=self.serve_forever, name="duebox-dashboard",
-                                        daemon=True)
+        started = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve(started)),
+                                        name="duebox-dashboard", daemon=True)
         self._thread.start()
+        started.wait(30)
         return self
 
     def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already ended
+                self._loop.call_soon_threadsafe(self._stopping.set)
         if self._thread is not None:
             self._thread.join()
+        self.close()
+
+    def close(self) -> None:
+        self._socket.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # --- one connection --------------------------------------------------------------
+
+    def _admit(self, task: asyncio.Task[None], writer: asyncio.StreamWriter) -> bool:
+        """Register a new connection, evicting the one that has waited longest
+        for a request head when full; False when none can make room."""
+        if len(self._connections) >= self.limits.max_connections:
+            waiting = [(c.waiting_since, t) for t, c in self._connections.items()
+                       if c.waiting_since is not None]
+            if not waiting:
+                return False
+            _, oldest = min(waiting, key=lambda pair: pair[0])
+            # Its read ends at once (EOF mid-head: nothing runs); its task then ends.
+            self._connections.pop(oldest).writer.transport.abort()
+        self._connections[task] = _Connection(writer, time.monotonic())
+        return True
+
+    async def _connection(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if not self._admit(task, writer):
+            writer.write(self._encode(_plain(503, "too many connections; try again",
+                                             [("Retry-After", "1")]), close=True))
+            writer.close()
+            return
+        peer = writer.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) else ""
+        conn = self._connections[task]
+        linger = False
+        try:
+            while True:
+                conn.waiting_since = time.monotonic()
+                head = await read_head(reader, self.limits.head_timeout)
+                if head is None:
+                    return
+                conn.waiting_since = None
+                response, unread = await self._exchange(reader, writer, head, client)
+                keep = head.keep_alive and not unread and not self._stopping.is_set()
+                await self._write(writer, response, head_only=head.method == "HEAD",
+                                  close=not keep)
+                if not keep:
+                    linger = unread
+                    return
+        except ProtocolError as exc:
+            log.debug("dashboard: %s: %s %s", client, exc.status, exc.message)
+            linger = True
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await self._write(writer, _plain(exc.status, exc.message), close=True)
+        except (ConnectionError, TimeoutError):
+            pass  # gone, or not reading what we send
+        except asyncio.CancelledError:
+            # The server stops.  Ending normally: asyncio 3.11 logs a connection
+            # task that ends cancelled as an error.
+            pass
+        except Exception:
+            log.exception("dashboard: connection from %s failed", client)
+        finally:
+            await self._close(reader, writer, conn, linger)
+            self._connections.pop(task, None)
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        head: Head, client: str) -> tuple[Response, bool]:
+        """The response to one request head, and whether its body is left unread."""
+        unread = head.length > 0
+        try:
+            path, query = decode_target(head.target)
+            if not self.hosts.allows(head.headers.get("host", "")):
+                # DNS rebinding: a foreign site's name pointed at this address.
+                raise HTTPError(421, "unexpected Host header (start the dashboard with "
+                                     "--allow-host NAME to answer for a name)")
+            if head.length > self.limits.max_body:
+                raise HTTPError(413, f"request body over {self.limits.max_body} bytes")
+            request = Request(method=head.method, path=path or "/", query=query,
+                              cookies=_cookies(head.headers.get("cookie")),
+                              headers=head.headers, client=client)
+            if wants_body(request.method, request.path):
+                self.dashboard.guard.before_body(request)
+                if head.expects_continue and unread:
+                    writer.write(CONTINUE)
+                request.form = decode_form(
+                    await read_body(reader, head.length, self.limits.body_timeout))
+                unread = False
+        except HTTPError as exc:
+            return secured(error_page(exc.status, exc.message, exc.headers)), unread
+        except ValidationError as exc:
+            return secured(error_page(400, f"{type(exc).__name__}: {exc}")), unread
+        return await self._run(request), unread
+
+    async def _run(self, request: Request) -> Response:
+        """Run the view on a pool thread, waiting at most ``queue_wait`` for one."""
+        try:
+            async with asyncio.timeout(self.limits.queue_wait):
+                await self._slots.acquire()
+        except TimeoutError:
+            return _plain(503, "busy: every dashboard thread is taken; try again",
+                          [("Retry-After", "1")])
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, respond, self.dashboard, request)
+        finally:
+            self._slots.release()
+
+    def _encode(self, response: Response, *, head_only: bool = False,
+                close: bool = False) -> bytes:
+        body = response.body.encode() if isinstance(response.body, str) else response.body
+        return encode_response(response.status,
+                               [("Content-Type", response.content_type), *response.headers],
+                               body, head_only=head_only, close=close)
+
+    async def _write(self, writer: asyncio.StreamWriter, response: Response, *,
+                     head_only: bool = False, close: bool = False) -> None:
+        writer.write(self._encode(response, head_only=head_only, close=close))
+        async with asyncio.timeout(self.limits.write_timeout):
+            await writer.drain()
+
+    async def _close(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     conn: _Connection, linger: bool) -> None:
+        """Close; first, when the client may still be sending (a body left
+        unread), end our side and drain a little, so the client reads the
+        response instead of a reset."""
+        if linger and not writer.is_closing() and writer.can_write_eof():
+            conn.waiting_since = time.monotonic()  # evictable while it lingers
+            with contextlib.suppress(OSError, TimeoutError, asyncio.CancelledError):
+                writer.write_eof()
+                async with asyncio.timeout(LINGER_SECONDS):
+                    drained = 0
+                    while drained < LINGER_BYTES and (chunk := await reader.read(65536)):
+                        drained += len(chunk)
+        writer.close()

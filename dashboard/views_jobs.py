@@ -9,8 +9,9 @@ from duebox.ids import parse_job_id
 from duebox.states import JobState
 
 from .context import Dashboard
+from .masking import Masked
 from .queries import Cursor, parse_filter, search_jobs
-from .render import badge, compact_json, esc, link, page, pre_json, seconds, table, ts
+from .render import badge, compact_json, esc, link, page, payload_section, seconds, table, ts
 from .web import REF, Request, Response, redirect, route
 
 # Audit actions that move a job's version on (cancel, reschedule, replay).
@@ -51,14 +52,22 @@ def jobs(d: Dashboard, request: Request) -> Response:
     return Response(body=page("Jobs", listing, _search_form(request), active="/jobs"))
 
 
-def _attempts(attempts: list[Any]) -> str:
+def _error_text(m: Masked, text: str | None, limit: int | None = None) -> str:
+    """Error text as it may be shown (masked like the payload), escaped."""
+    shown = m.text(text)
+    if text and shown is None:
+        return f"<span class=muted>{esc(m.note)}</span>"
+    return esc((shown or "")[:limit])
+
+
+def _attempts(attempts: list[Any], m: Masked) -> str:
     return table(["#", "outcome", "worker", "started", "finished", "took", "error class",
                   "error"],
                  [[esc(a.number), esc(a.outcome or "running"), esc(a.worker or ""),
                    ts(a.started_at), ts(a.finished_at),
                    seconds((a.finished_at - a.started_at).total_seconds())
                    if a.finished_at else "-",
-                   esc(a.error_class or ""), f"<code>{esc((a.error or '')[:300])}</code>"]
+                   esc(a.error_class or ""), f"<code>{_error_text(m, a.error, 300)}</code>"]
                   for a in attempts], empty="no attempts yet")
 
 
@@ -77,6 +86,7 @@ def job(d: Dashboard, request: Request, job_id: str) -> Response:
     jid = parse_job_id(job_id, "job id")
     detail = load_job(d.app.engine, jid)
     row, now = detail.row, d.now()
+    m = d.mask(row.task, row.payload)
     events = table(["event", "at (UTC)", "vs due"],
                    [[esc(name), ts(at), "" if name in ("created", "due")
                      else seconds((at - row.due_at).total_seconds())]
@@ -91,16 +101,14 @@ def job(d: Dashboard, request: Request, job_id: str) -> Response:
                          f"<code>{compact_json(a.details)}</code>"] for a in detail.audits],
                        empty="no audit rows", cls="audit")
     error = (f'<h2>Last error</h2><p><b>{esc(row.error_class)}</b></p>'
-             f"<pre>{esc(row.last_error)}</pre>" if row.last_error else "")
+             f"<pre>{_error_text(m, row.last_error)}</pre>" if row.last_error else "")
     live = (f"{facts}<p class=where><b>Where it is now:</b> "
             f"{esc(where_now(row, d.scheme, now))}</p>"
-            f"<h2>Timeline</h2>{events}<h2>Attempts</h2>{_attempts(detail.attempts)}{error}"
+            f"<h2>Timeline</h2>{events}<h2>Attempts</h2>{_attempts(detail.attempts, m)}{error}"
             f"<h2>Versions</h2>{_versions(row, detail.audits)}<h2>Audit</h2>{audit_rows}")
     if request.partial:
         return Response(body=live)
-    shown, note = d.mask(row.task, row.payload)
-    rest = f"<h2>Payload</h2>{f'<p class=muted>{esc(note)}</p>' if note else ''}"
-    rest += pre_json(shown) if shown is not None or not note else ""
+    rest = payload_section(m.payload, m.note, m.hidden)
     if row.state == JobState.DEAD:
         rest += ("<h2>Dead letter</h2>"
                  + d.action_form(request, f"/jobs/{row.id}/replay", "Replay")

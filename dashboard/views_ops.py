@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta, tzinfo
+from typing import Any
 
 from duebox import dlq
 from duebox.cron import Fire, load_zone
@@ -12,8 +13,24 @@ from duebox.metrics import seconds as elapsed
 from duebox.schedules import ScheduleInfo
 
 from .context import Dashboard
-from .queries import in_flight_by_owner, named_leases, schedule_audit, schedules_page
-from .render import badge, compact_json, esc, link, page, pre_json, seconds, table, ts
+from .queries import (
+    in_flight_by_owner,
+    named_leases,
+    payloads,
+    schedule_audit,
+    schedules_page,
+)
+from .render import (
+    badge,
+    compact_json,
+    esc,
+    link,
+    page,
+    payload_section,
+    seconds,
+    table,
+    ts,
+)
 from .web import REF, Request, Response, route
 
 ERROR_CLASSES = ("transient", "throttled", "permanent", "unknown", "lost", "expired")
@@ -120,9 +137,8 @@ def schedule_page(d: Dashboard, request: Request, ref: str) -> Response:
 
 
 def _payload(d: Dashboard, info: ScheduleInfo) -> str:
-    shown, note = d.mask(info.task, info.payload)
-    return (f"<h2>Payload</h2>{f'<p class=muted>{esc(note)}</p>' if note else ''}"
-            + (pre_json(shown) if shown is not None or not note else ""))
+    m = d.mask(info.task, info.payload)
+    return payload_section(m.payload, m.note, m.hidden)
 
 
 def _schedule_audit(d: Dashboard, info: ScheduleInfo) -> str:
@@ -141,6 +157,16 @@ def _error_class(request: Request) -> str | None:
     return value
 
 
+def _first_line(d: Dashboard, row: dlq.DeadJob, payloads: dict[Any, Any]) -> str:
+    """The first line of a dead job's error, masked like its payload."""
+    text = row.last_error
+    if text and row.id in payloads:
+        text = d.mask(row.task, payloads[row.id]).text(text)
+        if text is None:
+            return "<span class=muted>hidden (the job page says why)</span>"
+    return esc(text.splitlines()[0][:120] if text else "")
+
+
 @route("GET", r"/dlq")
 def dead_letters(d: Dashboard, request: Request) -> Response:
     error_class = _error_class(request)
@@ -150,6 +176,8 @@ def dead_letters(d: Dashboard, request: Request) -> Response:
         total = dlq.count_dead(conn, error_class=error_class, task=task)
         rows = dlq.list_dead(conn, error_class=error_class, task=task, limit=d.page_size,
                              after=parse_job_id(after, "after") if after else None)
+        # Error text may quote the payload: mask it as the payload would be.
+        masked = payloads(conn, [r.id for r in rows if not d.shown_as_is(r.task)])
     filters = " ".join(
         link("/dlq", c if c != error_class else f"[{c}]", error_class=c, task=task)
         for c in ERROR_CLASSES) + " " + link("/dlq", "all", task=task)
@@ -158,8 +186,8 @@ def dead_letters(d: Dashboard, request: Request) -> Response:
         [["Q" if r.quarantined else "", link(f"/jobs/{r.id}", str(r.id)[:13] + "…"),
           esc(r.task), esc(r.queue), esc(r.error_class or "-"), esc(r.attempt),
           ts(r.finished_at),
-          f"<code>{esc((r.last_error or '').splitlines()[0][:120] if r.last_error else '')}"
-          "</code>"] for r in rows], empty="the dead-letter queue is empty")
+          f"<code>{_first_line(d, r, masked)}</code>"] for r in rows],
+        empty="the dead-letter queue is empty")
     if len(rows) == d.page_size:
         more = link("/dlq", "next page →", error_class=error_class, task=task,
                     after=str(rows[-1].id))

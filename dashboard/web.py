@@ -19,6 +19,7 @@ class Request:
     headers: Mapping[str, str] = field(default_factory=dict)  # names in lower case
     # This browser's CSRF cookie (set by the router before a view runs).
     csrf_cookie: str = ""
+    client: str = ""  # the peer's address (throttling counts by it)
 
     def arg(self, name: str) -> str:
         """A query or form field, stripped ('' when absent)."""
@@ -41,10 +42,12 @@ class Response:
 class HTTPError(Exception):
     """Ends a request with ``status`` and a message shown to the user."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str,
+                 headers: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or []
 
 
 def redirect(location: str) -> Response:
@@ -59,6 +62,15 @@ ID = r"([0-9a-fA-F-]{32,36})"  # a job id in a path
 REF = r"([^/]{1,200})"  # an id or a name in a path
 
 
+def find_route(method: str, path: str) -> tuple[Callable[..., Response], tuple[str, ...]] | None:
+    """The view for ``method`` and ``path``, and the path's groups."""
+    for verb, pattern, view in ROUTES:
+        m = pattern.fullmatch(path) if verb == method else None
+        if m:
+            return view, m.groups()
+    return None
+
+
 def route(method: str, path: str) -> Callable[[V], V]:
     def register(view: V) -> V:
         ROUTES.append((method, re.compile(path), view))
@@ -67,4 +79,5 @@ def route(method: str, path: str) -> Callable[[V], V]:
     return register
 
 
-__all__ = ["ID", "REF", "ROUTES", "HTTPError", "Request", "Response", "redirect", "route"]
+__all__ = ["ID", "REF", "ROUTES", "HTTPError", "Request", "Response", "find_route", "redirect",
+           "route"]

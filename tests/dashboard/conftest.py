@@ -75,8 +75,9 @@ class Page:
 class Client:
     """A browser-less client with a cookie jar (the CSRF cookie)."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, server: DashboardServer | None = None) -> None:
         self.base = base
+        self.server = server
         self.jar = http.cookiejar.CookieJar()
         self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar))
 
@@ -98,7 +99,7 @@ class Client:
 
     def csrf(self, path: str) -> str:
         """The CSRF field of the first action form on the page at ``path``."""
-        m = re.search(r'name=csrf value="([0-9a-f]+)"', self.get(path).text)
+        m = re.search(r'name=csrf value="([0-9a-f.]+)"', self.get(path).text)
         assert m, f"no action form on {path}"
         return m.group(1)
 
@@ -112,8 +113,8 @@ def serve() -> Iterator[object]:
     def start(app: object, token: str | None = None, **kw: object) -> Client:
         server = DashboardServer(app, port=0, token=token, **kw).start()  # type: ignore[arg-type]
         servers.append(server)
-        return Client(server.url)
+        return Client(server.url, server)
 
     yield start
     for s in servers:
-        s.stop()
+        s.stop()  # a second stop does nothing

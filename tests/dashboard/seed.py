@@ -38,7 +38,8 @@ def seeded_app(url: str, **settings: Any) -> duebox.Duebox:
     @app.task("charge", queue="payments", max_attempts=2, retry=RetryPolicy(base=0.01, cap=0.02),
               mask=lambda p: {**p, "card": "****" + str(p.get("card", ""))[-4:]})
     def charge(payload: Any, ctx: duebox.JobContext) -> None:
-        raise Permanent("card declined by the provider")
+        # Quoting the payload, as exception messages do (the dashboard masks it).
+        raise Permanent(f"card {payload['card']} declined by the provider")
 
     @app.task("report", queue="reports")
     def report(payload: Any, ctx: duebox.JobContext) -> None:

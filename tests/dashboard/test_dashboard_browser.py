@@ -90,7 +90,7 @@ def test_an_operator_finds_a_job_and_replays_it(
         assert event in timeline
     attempts = page.locator("h2:has-text('Attempts') + table").inner_text()
     assert "permanent" in attempts
-    assert "card declined" in attempts
+    assert "declined by the provider" in attempts
     shots(page, "job")
 
     # No token: refused, nothing changed, no audit row.

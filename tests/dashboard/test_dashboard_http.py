@@ -43,7 +43,7 @@ def test_every_page_renders_the_seeded_jobs(sqlite_seeded: Seeded, serve: Serve)
     job = found.text
     assert "Timeline" in job
     assert "permanent" in job
-    assert "card declined" in job
+    assert "declined by the provider" in job
     assert "finished: DEAD" in job
     assert "Audit" in job
     assert c.get("/jobs?state=DEAD").text.count("/jobs/0") >= len(s.dead)
