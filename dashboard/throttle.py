@@ -33,6 +33,10 @@ KEEP_CLIENTS = 4096  # buckets remembered (least recently failed dropped first)
 class _Bucket:
     tokens: float
     at: float
+    # When this bucket's emptying was last logged: an attacker who keeps
+    # trying drips a token back every window/size seconds, and each would
+    # empty the bucket again; one line a window says it all.
+    warned: float = -math.inf
 
 
 def client_key(address: str) -> str:
@@ -92,9 +96,11 @@ class Throttle:
             self._refill(self._overall, overall, now)
             mine.tokens -= 1
             self._overall.tokens -= 1
-            if mine.tokens < 1 <= mine.tokens + 1:
+            if mine.tokens < 1 and now - mine.warned >= self._window:
+                mine.warned = now
                 log.warning("dashboard: %s failed to authenticate %d times; its actions are "
                             "refused for a while (429)", key, per_client)
-            if self._overall.tokens < 1 <= self._overall.tokens + 1:
+            if self._overall.tokens < 1 and now - self._overall.warned >= self._window:
+                self._overall.warned = now
                 log.warning("dashboard: %d failed authentications in %g s from all clients; "
                             "every action is refused for a while (429)", overall, self._window)

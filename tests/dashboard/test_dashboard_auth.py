@@ -147,3 +147,26 @@ def test_only_this_dashboards_pages_may_act(sqlite_seeded: Seeded, serve: Serve,
     assert reply.status == (303 if allowed else 403), (header, reply)
     if not allowed:
         assert b"cross-site" in reply.body
+
+
+def test_a_persistent_guesser_is_logged_once_a_window(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A bucket refills a token every window/size seconds; a guesser who
+    keeps trying empties it again each time.  That is still one episode:
+    one WARNING a window, not one per refilled token (a slow run of the
+    process test above logged it twice)."""
+    from duebox.dashboard.throttle import Throttle
+
+    now = [0.0]
+    throttle = Throttle(lambda: now[0], per_client=10, overall=1000, window=60.0)
+    with caplog.at_level(logging.WARNING, logger="duebox.dashboard"):
+        for _ in range(10):
+            throttle.failed("10.0.0.1")
+        for _ in range(9):  # one token back every 6 s, taken at once
+            now[0] += 6.0
+            assert throttle.retry_after("10.0.0.1") is None
+            throttle.failed("10.0.0.1")
+        assert sum("failed to authenticate" in r.message for r in caplog.records) == 1
+        now[0] += 6.0  # a whole window after the first line
+        throttle.failed("10.0.0.1")
+    assert sum("failed to authenticate" in r.message for r in caplog.records) == 2
