@@ -181,6 +181,16 @@ class Broker(abc.ABC):
         message.  The default, for backends that cannot, drops nothing."""
         return 0
 
+    async def take_over(self, worker: str, queues: Sequence[str]) -> int:
+        """A worker died (its liveness lock is gone, core/liveness.py): hand
+        the messages it had received and not settled to live consumers now;
+        returns how many.  Its jobs' rows are already recovered, so a handed
+        on message starts its job, or is discarded by the version check.
+        The default hands on nothing: RabbitMQ requeues a closed channel's
+        unacked messages itself, SQS after the visibility timeout, Kafka
+        after the group's session timeout."""
+        return 0
+
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID] | None:
         """Reconciliation: of these ``ENQUEUED`` jobs, the ids whose message
         (at that version) the broker no longer holds; the relay publishes them

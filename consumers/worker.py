@@ -133,7 +133,8 @@ class Worker:
         if not await open_broker(self.broker, stop):
             return
         self.pools = Pools.for_worker(self.concurrency)
-        await asyncio.to_thread(self.heartbeat.sync_clock_once)
+        # The liveness lock and registry row come before the first lease.
+        await asyncio.to_thread(self.heartbeat.register)
         await self._warm_up()
         # Everything allocated so far (modules, SQLAlchemy's caches, the app)
         # lives as long as the process: out of the collector's sight, a full

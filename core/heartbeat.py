@@ -6,6 +6,11 @@ Each process owns one row named ``relay:<token>`` or ``worker:<token>``
 started_at, counters).  A clean stop deletes the row; a crashed process's row
 simply expires: readers ignore expired rows and the relay prunes them.  Other
 uses of ``duebox_lease`` (named leases) never carry these prefixes.
+
+Before its first row, a process takes its liveness lock (core/liveness.py);
+the row then carries ``info.name`` (the process name its lease owners start
+with) and ``info.liveness`` (the lock was taken), which is what lets a peer
+find a dead process at once (core/takeover.py) rather than by lease expiry.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from sqlalchemy import Connection, delete, or_, select, update
 from .clock import sync_clock
 from .db import db_errors
 from .errors import DatabaseError
+from .liveness import SessionLock
 from .tables import lease
 
 log = logging.getLogger("duebox.heartbeat")
@@ -54,6 +60,19 @@ def remove(conn: Connection, *, name: str) -> None:
 
 def _ours() -> Any:
     return or_(*[lease.c.name.like(f"{role}:%") for role in ROLES])
+
+
+def watched(conn: Connection, limit: int = 1000) -> dict[str, str]:
+    """Registered processes that hold a liveness lock, expired rows too (a
+    crashed process stops renewing): process name → row name."""
+    rows = conn.execute(select(lease.c.name, lease.c.info).where(_ours()).limit(limit)).all()
+    out = {}
+    for row, info in rows:
+        info = info if isinstance(info, dict) else {}
+        name = info.get("name")
+        if info.get("liveness") and isinstance(name, str) and "#" not in name:
+            out[name] = row
+    return out
 
 
 def expired_names(conn: Connection, *, now: datetime, limit: int = 500) -> list[str]:
@@ -105,7 +124,11 @@ class ProcessHeartbeat:
     ) -> None:
         self.engine = engine
         self.clock = clock
+        self.process = name
         self.name = row_name(role, name)
+        # Lease owners are ``<name>#<n>``: a name with a '#' would prefix
+        # another's, so such a process is found dead by lease expiry only.
+        self.lock = SessionLock(engine, name) if "#" not in name else None
         self.info = info
         self.interval = interval
         self.ttl = interval * ttl_intervals
@@ -116,7 +139,8 @@ class ProcessHeartbeat:
 
     def beat_once(self) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "started_at": self.started_at.isoformat(), **self.info()}
+                "started_at": self.started_at.isoformat(), "name": self.process,
+                "liveness": self.lock is not None and self.lock.ever_held, **self.info()}
         engine = self.engine
         if engine.dialect.name in ("mysql", "mariadb"):
             # InnoDB's REPEATABLE READ locks the gap an UPDATE finds empty, so
@@ -130,6 +154,21 @@ class ProcessHeartbeat:
             sync_clock(self.clock, conn)
             beat(conn, name=self.name, now=self.clock.now(), ttl=self.ttl, info=info)
         self.beats += 1
+
+    def register(self) -> None:
+        """Before the first lease: take the liveness lock, then write the
+        row (which says the lock is held) and read the database's clock.  A
+        database that cannot be reached leaves both to the heartbeat loop
+        (the lock's keeper thread retries); meanwhile a crash of this process
+        is noticed by lease expiry, as before."""
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            with db_errors("registering the process"):
+                self.beat_once()
+        except DatabaseError as exc:
+            log.warning("cannot register this process yet: %s", exc)
+            self.sync_clock_once()
 
     def sync_clock_once(self) -> None:
         """Read the database's clock now, before the first due-time decision
@@ -172,7 +211,9 @@ class ProcessHeartbeat:
             await asyncio.to_thread(self.remove_once)
         except Exception as exc:  # the row expires on its own
             log.warning("%s: could not remove the heartbeat row: %s", self.name, exc)
+        if self.lock is not None:  # after the row: a row never outlives its lock
+            await asyncio.to_thread(self.lock.release)
 
 
 __all__ = ["ROLES", "ProcessHeartbeat", "alive", "beat", "expired_names", "prune", "remove",
-           "row_name"]
+           "row_name", "watched"]
