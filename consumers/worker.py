@@ -375,7 +375,7 @@ class Worker:
         return {"role": "worker", "backend": self.backend, "queues": self.queues,
                 "concurrency": self.concurrency, "received": st.received,
                 "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
-                "throttled": st.throttled}
+                "throttled": st.throttled, "lease_lost": st.lease_lost}
 
     def _queue_metrics(self, queue: str) -> tuple[Any, Any, Any, Any, Any]:
         """The per-queue metric children every job touches (start lateness,

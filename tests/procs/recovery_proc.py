@@ -47,8 +47,10 @@ def build_app(database_url: str, broker_url: str, external_log: str = os.devnull
     def rec_effect(payload: Any, ctx: duebox.JobContext) -> None:
         with open(external_log, "a") as f:
             f.write(f"{ctx.job_id} {ctx.worker} {ctx.lease_generation}\n")
+        # ``sleep``: {worker name: seconds}, a long handler in that worker,
+        # for a pause or a partition to land in.
+        time.sleep(float((payload or {}).get("sleep", {}).get(ctx.worker, WORK_SECONDS)))
         ctx.session.execute(effects.insert().values(effect_values(ctx)))
-        time.sleep(WORK_SECONDS)
 
     return app
 
