@@ -13,7 +13,7 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -181,14 +181,15 @@ class Broker(abc.ABC):
         message.  The default, for backends that cannot, drops nothing."""
         return 0
 
-    async def take_over(self, worker: str, queues: Sequence[str]) -> int:
+    async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
         """A worker died (its liveness lock is gone, core/liveness.py): hand
         the messages it had received and not settled to live consumers now;
-        returns how many.  Its jobs' rows are already recovered, so a handed
-        on message starts its job, or is discarded by the version check.
-        The default hands on nothing: RabbitMQ requeues a closed channel's
-        unacked messages itself, SQS after the visibility timeout, Kafka
-        after the group's session timeout."""
+        returns how many.  ``info``: its registry row (``queues``, ...).  Its jobs' rows
+        are already recovered, so a handed-on message starts its job, or is
+        discarded by the version check.  The default hands on nothing:
+        RabbitMQ requeues a closed channel's unacked messages itself, SQS
+        after the visibility timeout, Kafka after the group's session
+        timeout and rebalance."""
         return 0
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID] | None:

@@ -41,7 +41,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -640,12 +640,13 @@ class RedisBroker(Broker):
                 out.append(self._delivery(q, eid, fields, redelivered=True))
         return out
 
-    async def take_over(self, worker: str, queues: Sequence[str]) -> int:
+    async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
         """A dead worker's pending entries go back on their streams now, for
         live consumers to read, instead of after ``claim_idle``."""
         await self._redis()
         total = 0
-        for q in list(queues) or ["default"]:
+        queues = info.get("queues")
+        for q in [q for q in queues or [] if isinstance(q, str)] or ["default"]:
             k = self.keys(q)
             while True:
                 try:

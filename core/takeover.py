@@ -35,7 +35,7 @@ class DeadProcess:
     name: str  # the process name, which its lease owners start with
     row: str  # its registry row (``worker:<name>``)
     role: str
-    queues: list[str] = field(default_factory=list)  # a worker's, from its row
+    info: dict[str, Any] = field(default_factory=dict)  # its registry row's
 
 
 class Takeover:
@@ -62,11 +62,9 @@ class Takeover:
                                       .where(lease.c.name.in_([rows[n] for n in dead]))).all())
         out = []
         for name in dead:
-            info = infos.get(rows[name]) or {}
-            queues = info.get("queues") if isinstance(info, dict) else None
-            out.append(DeadProcess(
-                name=name, row=rows[name], role=rows[name].split(":", 1)[0],
-                queues=[q for q in queues or [] if isinstance(q, str)]))
+            info = infos.get(rows[name])
+            out.append(DeadProcess(name=name, row=rows[name], role=rows[name].split(":", 1)[0],
+                                   info=dict(info) if isinstance(info, dict) else {}))
         return out
 
     def recover(self, dead: DeadProcess) -> jobstore.Recovered:

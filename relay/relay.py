@@ -593,7 +593,7 @@ class Relay:
             got = await asyncio.to_thread(self.takeover.recover, dead)
             handed = 0
             if dead.role == "worker":
-                handed = await self.broker.take_over(dead.name, dead.queues)
+                handed = await self.broker.take_over(dead.name, dead.info)
             await asyncio.to_thread(self.takeover.forget, dead)
             counts = [counts[0] + got.dispatching, counts[1] + got.running, counts[2] + got.dead]
             log.warning("%s %s is gone (its database session ended): %d of its jobs recovered "

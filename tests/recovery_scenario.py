@@ -216,16 +216,17 @@ def run(database_url: str, broker_url: str, backend: str, tmp: Path, *, jobs: in
                 app.new_job("rec_effect", {"i": i}, at=t0 + timedelta(
                     seconds=rng.uniform(0, spread))) for i in range(jobs)])
         assert isinstance(ids, list)
+        # Each cancel and reschedule in its own transaction, as a user's
+        # request would be.
         cancelled: set[uuid.UUID] = set()
-        with app.engine.begin() as conn:
-            for job_id in rng.sample(ids, jobs // 10):
+        for job_id in rng.sample(ids, jobs // 10):
+            with app.engine.begin() as conn:
                 if app.cancel(conn, job_id):
                     cancelled.add(job_id)
-            for job_id in rng.sample([i for i in ids if i not in cancelled], jobs // 20):
-                # A job due at once may be running already: it keeps its time.
-                with contextlib.suppress(JobStateError):
-                    app.reschedule(conn, job_id,
-                                   at=t0 + timedelta(seconds=rng.uniform(0, spread)))
+        for job_id in rng.sample([i for i in ids if i not in cancelled], jobs // 20):
+            # A job due at once may be running already: it keeps its time.
+            with contextlib.suppress(JobStateError), app.engine.begin() as conn:
+                app.reschedule(conn, job_id, at=t0 + timedelta(seconds=rng.uniform(0, spread)))
         kill_wall = t0 + timedelta(seconds=kill_after)
         poll("the kill time", lambda: datetime.now(UTC) >= kill_wall, timeout=30,
              check=fleet.check, interval=0.01)

@@ -189,7 +189,7 @@ def test_takeover_finds_a_registered_process_whose_lock_is_gone(app: duebox.Dueb
         assert live.acquire()
         takeover.find()  # the first look: suspects only
         [dead] = takeover.find()
-        assert (dead.name, dead.role, dead.queues) == ("dead-w", "worker", ["default"])
+        assert (dead.name, dead.role, dead.info["queues"]) == ("dead-w", "worker", ["default"])
         assert takeover.recover(dead).running == 1
         takeover.forget(dead)
         with app.engine.connect() as conn:
@@ -224,7 +224,7 @@ async def test_redis_hands_on_a_dead_consumers_pending_entries(redis_keys: Keys)
             if len(got) == 3:
                 break
         assert redis_keys.pending() == 3
-        assert await relay.take_over("dead-w", ["default"]) == 3
+        assert await relay.take_over("dead-w", {"queues": ["default"]}) == 3
         assert redis_keys.pending() == 0
         again = []
         async for d in live.consume(["default"], 10):
@@ -234,7 +234,7 @@ async def test_redis_hands_on_a_dead_consumers_pending_entries(redis_keys: Keys)
                 break
         assert sorted(again) == sorted(m.job_id for m in msgs)
         assert [redis_keys.held(m.job_id) for m in msgs] == [None] * 3  # acked: index gone
-        assert await relay.take_over("dead-w", ["default"]) == 0
+        assert await relay.take_over("dead-w", {"queues": ["default"]}) == 0
     finally:
         for b in (dead, live, relay):
             await b.close()
