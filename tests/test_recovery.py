@@ -47,7 +47,12 @@ TOLERANCE = 3.0
     pytest.param("redis", marks=pytest.mark.postgres),
     pytest.param("amqp", marks=pytest.mark.postgres),
     pytest.param("sqs", marks=pytest.mark.postgres),
-    pytest.param("kafka", marks=pytest.mark.postgres),
+    # Not yet: a dead consumer's partitions stay unread until its group
+    # session times out and the group rebalances (15-22 s on the Kafka mock
+    # with a 6 s session, bench/SOAK.md "Crash recovery"); the database side
+    # (a dead relay's held jobs) is recovered in time.
+    pytest.param("kafka", marks=[pytest.mark.postgres, pytest.mark.xfail(
+        strict=True, reason="Kafka: partitions move only when the group session times out")]),
 ])
 def scenario_backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
     """(backend, database URL): sql:// on SQLite and PostgreSQL, the brokers
