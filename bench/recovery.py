@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--wait", type=float, default=90.0,
                     help="seconds to wait for every job after the kills")
     ap.add_argument("--settings", default="", help="e.g. lease_seconds=30 (Settings fields)")
+    ap.add_argument("--logs", type=Path, help="keep each run's process logs under this folder")
     args = ap.parse_args()
     failed = False
     rows = []
@@ -51,7 +52,8 @@ def main() -> int:
         for i in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="duebox-rec-") as tmp, \
                     fresh_database(args.db, Path(tmp)) as db, broker_for(backend) as broker:
-                out = run(db, broker, backend, Path(tmp) / "run", jobs=args.jobs, seed=18 + i,
+                logs = (args.logs / f"{backend}-{i + 1}") if args.logs else Path(tmp) / "run"
+                out = run(db, broker, backend, logs, jobs=args.jobs, seed=18 + i,
                           settings=args.settings, wait=args.wait)
             print(f"run {i + 1}: {out.line()}", *out.notes, flush=True)
             failed |= bool(out.double_effects or out.early or out.cancelled_ran)

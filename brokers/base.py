@@ -140,6 +140,9 @@ class Broker(abc.ABC):
         # or waiting to run).  A backend whose consume claims jobs itself
         # (sql://) claims up to it rather than a fixed multiple of prefetch.
         self.wanted: Callable[[], int] | None = None
+        # Set by a worker: call when :meth:`registry_info` changed, so the
+        # registry row says so at once.
+        self.registry_changed: Callable[[], None] | None = None
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Connect and declare what is needed.  Must be idempotent."""
@@ -191,6 +194,11 @@ class Broker(abc.ABC):
         after the visibility timeout, Kafka after the group's session
         timeout and rebalance."""
         return 0
+
+    def registry_info(self) -> dict[str, Any]:
+        """What a worker's registry row should say about its consumer, for a
+        peer's :meth:`take_over` after its death (Kafka: its group member id)."""
+        return {}
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID] | None:
         """Reconciliation: of these ``ENQUEUED`` jobs, the ids whose message

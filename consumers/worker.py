@@ -126,6 +126,7 @@ class Worker:
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="worker", name=self.name, interval=heartbeat_interval,
             info=self._info)
+        self.broker.registry_changed = self.heartbeat.poke
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Consume until ``stop`` is set, then finish what is running."""
@@ -375,7 +376,8 @@ class Worker:
         return {"role": "worker", "backend": self.backend, "queues": self.queues,
                 "concurrency": self.concurrency, "received": st.received,
                 "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
-                "throttled": st.throttled, "lease_lost": st.lease_lost}
+                "throttled": st.throttled, "lease_lost": st.lease_lost,
+                **self.broker.registry_info()}
 
     def _queue_metrics(self, queue: str) -> tuple[Any, Any, Any, Any, Any]:
         """The per-queue metric children every job touches (start lateness,

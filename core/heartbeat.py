@@ -136,6 +136,8 @@ class ProcessHeartbeat:
         self.tick_interval = tick_interval if tick_interval is not None else interval
         self.started_at = clock.now()
         self.beats = 0
+        self._poked = False
+        self._wake: asyncio.Event | None = None
 
     def beat_once(self) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(),
@@ -184,13 +186,21 @@ class ProcessHeartbeat:
         with self.engine.begin() as conn:
             remove(conn, name=self.name)
 
+    def poke(self) -> None:
+        """Beat now, not at the next interval (what the row says changed).
+        Called on the loop :meth:`run` runs in."""
+        self._poked = True
+        if self._wake is not None:
+            self._wake.set()
+
     async def run(self, stop: asyncio.Event) -> None:
         last_beat = last_tick = -math.inf
+        self._wake = asyncio.Event()
         while not stop.is_set():
             now = time.monotonic()
             try:
-                if now - last_beat >= self.interval:
-                    last_beat = now
+                if now - last_beat >= self.interval or self._poked:
+                    last_beat, self._poked = now, False
                     await asyncio.to_thread(self.beat_once)
                 if self.tick is not None and now - last_tick >= self.tick_interval:
                     last_tick = now
@@ -198,8 +208,14 @@ class ProcessHeartbeat:
             except Exception as exc:  # never fatal: the next beat retries
                 log.warning("%s: heartbeat failed: %s", self.name, exc)
             wait = min(self.interval, self.tick_interval if self.tick else self.interval)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+            self._wake.clear()
+            if self._poked:
+                continue
+            waiters = {asyncio.ensure_future(stop.wait()),
+                       asyncio.ensure_future(self._wake.wait())}
+            await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
 
     async def stop(self, task: asyncio.Task[None] | None) -> None:
         """Stop ``task`` (this heartbeat's :meth:`run`) and delete the row."""

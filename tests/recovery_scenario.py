@@ -210,6 +210,14 @@ def run(database_url: str, broker_url: str, backend: str, tmp: Path, *, jobs: in
             fleet.start_role("relay" if key[0] == "r" else "worker", name)
         poll("the four processes to register", lambda: registered(app.engine, list(
             names.values())), timeout=60, check=fleet.check)
+        # Warm-up: both workers run jobs before the measured ones are due
+        # (a Kafka group has formed and given each its partitions), as in
+        # a deployment that has been up for a while.
+        with Session(app.engine) as s, s.begin():
+            app.schedule_many(s, [app.new_job("rec_effect", {"warm_up": i})
+                                  for i in range(40)])
+        poll("both workers to run warm-up jobs", lambda: _workers_ran(
+            app.engine, [names["w1"], names["w2"]]), timeout=60, check=fleet.check)
         t0 = datetime.now(UTC) + timedelta(seconds=1)
         with Session(app.engine) as s, s.begin():
             ids = app.schedule_many(s, [
@@ -246,6 +254,12 @@ def run(database_url: str, broker_url: str, backend: str, tmp: Path, *, jobs: in
     finally:
         fleet.stop_all()
         app.dispose()
+
+
+def _workers_ran(engine: sa.Engine, workers: list[str]) -> bool:
+    with engine.connect() as conn:
+        ran = set(conn.execute(sa.select(effects.c.worker).distinct()).scalars())
+    return set(workers) <= ran
 
 
 def _leased_to(engine: sa.Engine, names: list[str]) -> set[uuid.UUID]:
