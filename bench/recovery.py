@@ -18,17 +18,20 @@ LocalStack (SQS) and the Kafka mock must be listening (tests/backends.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from backends import KAFKA
 from recovery_scenario import (
     BACKENDS,
     Outcome,
     broker_for,
     fresh_database,
+    own_kafka_mock,
     percentile,
     run,
 )
@@ -44,6 +47,8 @@ def main() -> int:
                     help="seconds to wait for every job after the kills")
     ap.add_argument("--settings", default="", help="e.g. lease_seconds=30 (Settings fields)")
     ap.add_argument("--logs", type=Path, help="keep each run's process logs under this folder")
+    ap.add_argument("--own-kafka-mock", action="store_true",
+                    help="kafka: a Kafka mock of each run's own, SyncGroup fixed (as the soak's)")
     args = ap.parse_args()
     failed = False
     rows = []
@@ -51,7 +56,12 @@ def main() -> int:
         outcomes: list[Outcome] = []
         for i in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="duebox-rec-") as tmp, \
-                    fresh_database(args.db, Path(tmp)) as db, broker_for(backend) as broker:
+                    contextlib.ExitStack() as stack:
+                db = stack.enter_context(fresh_database(args.db, Path(tmp)))
+                kafka = KAFKA
+                if backend == "kafka" and args.own_kafka_mock:
+                    kafka = stack.enter_context(own_kafka_mock(Path(tmp)))
+                broker = stack.enter_context(broker_for(backend, kafka))
                 logs = (args.logs / f"{backend}-{i + 1}") if args.logs else Path(tmp) / "run"
                 out = run(db, broker, backend, logs, jobs=args.jobs, seed=18 + i,
                           settings=args.settings, wait=args.wait)

@@ -24,6 +24,7 @@ import functools
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from backends import (
     AMQP,
+    KAFKA,
     REDIS,
     SQS,
     KafkaNames,
@@ -63,8 +65,9 @@ BACKENDS = ("sql", "redis", "amqp", "sqs", "kafka")
 
 
 @contextlib.contextmanager
-def broker_for(backend: str) -> Iterator[str]:
-    """A broker URL of this run's own (prefix, vhost, group), cleaned up after."""
+def broker_for(backend: str, kafka: str = KAFKA) -> Iterator[str]:
+    """A broker URL of this run's own (prefix, vhost, group), cleaned up after;
+    ``kafka``: the bootstrap address."""
     if backend == "sql":
         yield "sql://"
     elif backend == "redis":
@@ -89,7 +92,7 @@ def broker_for(backend: str) -> Iterator[str]:
         finally:
             queues.delete_all()
     elif backend == "kafka":
-        yield KafkaNames().url()
+        yield KafkaNames(kafka).url()
     else:
         raise ValueError(f"backend: one of {', '.join(BACKENDS)} (got {backend!r})")
 
@@ -120,6 +123,36 @@ def fresh_database(kind: str, tmp: Path) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS {quote}{name}{quote}{force}"))
         admin.dispose()
+
+
+@contextlib.contextmanager
+def own_kafka_mock(tmp: Path) -> Iterator[str]:
+    """A Kafka mock of this run's own, with librdkafka's SyncGroup answer
+    fixed (tests/services/kafka_mock.py --fix-sync-group, as the soak runs
+    it): the shared one answers a follower's late SyncGroup with
+    INVALID_REQUEST, which real Kafka does not, and every rebalance then
+    costs seconds of rejoining.  Yields its bootstrap address."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (tmp / "kafka-mock.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "services" / "kafka_mock.py"), "run",
+         "--port", str(port), "--fix-sync-group"], stdout=subprocess.PIPE, stderr=log)
+    log.close()
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode().split()
+        if line[:1] != ["ready"]:
+            raise RuntimeError(f"the Kafka mock did not start: {line!r}")
+        yield line[1]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _migrate(url: str) -> None:

@@ -17,6 +17,7 @@ paused and cut off.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import uuid
 from collections.abc import Iterator
@@ -26,10 +27,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from backends import Procs, poll
+from backends import KAFKA, Procs, poll
 from conftest import reset_tables
 from helpers import effect_rows
-from recovery_scenario import LAUNCHER, broker_for, registered, run
+from recovery_scenario import LAUNCHER, broker_for, own_kafka_mock, registered, run
 from sqlalchemy.orm import Session
 
 import duebox
@@ -47,12 +48,7 @@ TOLERANCE = 3.0
     pytest.param("redis", marks=pytest.mark.postgres),
     pytest.param("amqp", marks=pytest.mark.postgres),
     pytest.param("sqs", marks=pytest.mark.postgres),
-    # Not yet: a dead consumer's partitions stay unread until its group
-    # session times out and the group rebalances (15-22 s on the Kafka mock
-    # with a 6 s session, bench/SOAK.md "Crash recovery"); the database side
-    # (a dead relay's held jobs) is recovered in time.
-    pytest.param("kafka", marks=[pytest.mark.postgres, pytest.mark.xfail(
-        strict=True, reason="Kafka: partitions move only when the group session times out")]),
+    pytest.param("kafka", marks=pytest.mark.postgres),
 ])
 def scenario_backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
     """(backend, database URL): sql:// on SQLite and PostgreSQL, the brokers
@@ -78,7 +74,12 @@ def test_a_killed_relay_and_worker_hold_no_job_past_five_seconds(
     scenario_backend: tuple[str, str], tmp_path: Path
 ) -> None:
     backend, url = scenario_backend
-    with broker_for(backend) as broker:
+    with contextlib.ExitStack() as stack:
+        kafka = KAFKA
+        if backend == "kafka":
+            # Rebalances as Kafka does them (see own_kafka_mock).
+            kafka = stack.enter_context(own_kafka_mock(tmp_path))
+        broker = stack.enter_context(broker_for(backend, kafka))
         out = run(url, broker, backend, tmp_path / "run", wait=60.0)
     summary = out.line() + "".join(f"\n{n}" for n in out.notes)
     assert out.unfinished == 0, summary
