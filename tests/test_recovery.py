@@ -41,6 +41,10 @@ pytestmark = pytest.mark.slow
 # The promise is 5 s; the machine running the tests is shared and busy.
 PROMISE = 5.0
 TOLERANCE = 3.0
+# librdkafka's mock completes a rebalance about 5 s after the members
+# rejoined (Kafka: at once); the dead member is dropped at once either way
+# (bench/SOAK.md, "Crash recovery").  Main needed 33 s here.
+KAFKA_MOCK_REBALANCE = 5.0
 
 
 @pytest.fixture(params=[
@@ -84,7 +88,8 @@ def test_a_killed_relay_and_worker_hold_no_job_past_five_seconds(
     summary = out.line() + "".join(f"\n{n}" for n in out.notes)
     assert out.unfinished == 0, summary
     assert (out.double_effects, out.early, out.cancelled_ran) == (0, 0, 0), summary
-    assert out.max_lateness <= PROMISE + TOLERANCE, summary
+    assert out.max_lateness <= PROMISE + TOLERANCE + (
+        KAFKA_MOCK_REBALANCE if backend == "kafka" else 0.0), summary
 
 
 # --- a pause and a partition are not deaths -------------------------------------------
