@@ -13,7 +13,7 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -140,6 +140,9 @@ class Broker(abc.ABC):
         # or waiting to run).  A backend whose consume claims jobs itself
         # (sql://) claims up to it rather than a fixed multiple of prefetch.
         self.wanted: Callable[[], int] | None = None
+        # Set by a worker: call when :meth:`registry_info` changed, so the
+        # registry row says so at once.
+        self.registry_changed: Callable[[], None] | None = None
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Connect and declare what is needed.  Must be idempotent."""
@@ -180,6 +183,22 @@ class Broker(abc.ABC):
         depends on it: the worker's version check discards a cancelled job's
         message.  The default, for backends that cannot, drops nothing."""
         return 0
+
+    async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
+        """A worker died (its liveness lock is gone, core/liveness.py): hand
+        the messages it had received and not settled to live consumers now;
+        returns how many.  ``info``: its registry row (``queues``, ...).  Its jobs' rows
+        are already recovered, so a handed-on message starts its job, or is
+        discarded by the version check.  The default hands on nothing:
+        RabbitMQ requeues a closed channel's unacked messages itself, SQS
+        after the visibility timeout, Kafka after the group's session
+        timeout and rebalance."""
+        return 0
+
+    def registry_info(self) -> dict[str, Any]:
+        """What a worker's registry row should say about its consumer, for a
+        peer's :meth:`take_over` after its death (Kafka: its group member id)."""
+        return {}
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID] | None:
         """Reconciliation: of these ``ENQUEUED`` jobs, the ids whose message

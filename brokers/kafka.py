@@ -47,7 +47,7 @@ import random
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -229,7 +229,10 @@ class _Tracker(ConsumerRebalanceListener):  # type: ignore[misc]
         self.broker._freed.set()
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        return None
+        # A new member id: the worker's registry row should say so now
+        # (KafkaBroker.registry_info), not at its next beat.
+        if self.broker.registry_changed is not None:
+            self.broker.registry_changed()
 
 
 class KafkaBroker(Broker):
@@ -341,6 +344,44 @@ class KafkaBroker(Broker):
                                   f"be created ({exc!r}); create it or allow auto-creation"
                                   ) from exc
             self._topics.add(t)
+
+    def registry_info(self) -> dict[str, Any]:
+        """This worker's member id in the consumer group, for a peer to
+        remove it from the group should it die (:meth:`take_over`)."""
+        consumer = self._tracker.consumer if self._tracker is not None else None
+        coordinator = getattr(consumer, "_coordinator", None)
+        member = getattr(coordinator, "member_id", None)
+        return {"kafka_member": member} if isinstance(member, str) and member else {}
+
+    async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
+        """A dead worker's partitions would stay unread until its group
+        session times out (``session_timeout_ms``) and the group rebalances;
+        a LeaveGroup on its behalf (its member id, from its registry row)
+        starts that rebalance now, and the uncommitted messages it had are
+        read again by the members left.  Returns 0: the messages are
+        redelivered by the group, not counted here."""
+        from aiokafka.protocol.group import LeaveGroupRequest
+
+        member = info.get("kafka_member")
+        if not isinstance(member, str) or not member:
+            return 0
+        admin = AIOKafkaAdminClient(**self.settings.client_options(self.client_id + "-admin"))
+        try:
+            await admin.start()
+            node = await admin.find_coordinator(self.settings.group)
+            # aiokafka has no public call for another member's LeaveGroup.
+            reply = await admin._send_request(LeaveGroupRequest(self.settings.group, member),
+                                              node)
+            log.info("asked group %r to drop dead worker %s (member %s): %s",
+                     self.settings.group, worker, member, reply)
+        except (KafkaError, OSError) as exc:
+            log.warning("%s: could not remove dead worker %s from group %r (%s); its "
+                        "partitions move when its session times out", self._where(), worker,
+                        self.settings.group, exc)
+        finally:
+            with contextlib.suppress(KafkaError, OSError):
+                await admin.close()
+        return 0
 
     async def _create(self, topics: list[str]) -> None:
         admin = AIOKafkaAdminClient(**self.settings.client_options(self.client_id))
@@ -620,7 +661,11 @@ class KafkaBroker(Broker):
                              fetch_max_wait_ms=self.settings.fetch_max_wait_ms,
                              session_timeout_ms=self.settings.session_timeout_ms,
                              metadata_max_age_ms=30000,
-                             heartbeat_interval_ms=max(100, self.settings.session_timeout_ms // 3))
+                             # At least every second: a rebalance (a dead peer
+                             # dropped from the group, see take_over) is noticed
+                             # within one.
+                             heartbeat_interval_ms=max(
+                                 100, min(1000, self.settings.session_timeout_ms // 3)))
         c.subscribe(topics, listener=tracker)
         self._consumers.add(c)  # close() stops it even if start() is interrupted
         try:

@@ -41,7 +41,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -151,6 +151,38 @@ if #ids > 0 then
 end
 local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 return {#ids, head[2] or false}
+"""
+
+# KEYS: ready, held.  ARGV: group, dead consumer, limit.  Moves up to ``limit``
+# of the consumer's pending entries to the end of the stream as new entries
+# (XACK + XDEL + XADD, the job's index entry following), where any live
+# consumer reads them; forgets the consumer once it has none left.
+# Returns {pending entries looked at, entries handed on}.
+_HAND_ON = """
+local limit = tonumber(ARGV[3])
+local pend = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', limit, ARGV[2])
+local n = 0
+for _, p in ipairs(pend) do
+  local eid = p[1]
+  local found = redis.call('XRANGE', KEYS[1], eid, eid)
+  redis.call('XACK', KEYS[1], ARGV[1], eid)
+  if #found > 0 then
+    local fields = found[1][2]
+    redis.call('XDEL', KEYS[1], eid)
+    local new = redis.call('XADD', KEYS[1], '*', unpack(fields))
+    for i = 1, #fields, 2 do
+      if fields[i] == 'id' then
+        local cur = redis.call('HGET', KEYS[2], fields[i + 1])
+        if cur and string.match(cur, '|(.*)$') == eid then
+          redis.call('HSET', KEYS[2], fields[i + 1], string.match(cur, '^(%d+)|') .. '|' .. new)
+        end
+      end
+    end
+    n = n + 1
+  end
+end
+if #pend < limit then redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) end
+return {#pend, n}
 """
 
 # KEYS: ready, held.  ARGV: group, entry id, job id.
@@ -374,7 +406,8 @@ class RedisBroker(Broker):
         self._scripts = {
             name: client.register_script(src)
             for name, src in (("publish", _PUBLISH), ("move", _MOVE), ("ack", _ACK),
-                              ("defer", _DEFER), ("cancel", _CANCEL), ("missing", _MISSING))
+                              ("defer", _DEFER), ("cancel", _CANCEL), ("missing", _MISSING),
+                              ("hand_on", _HAND_ON))
         }
         self._client = client
         with contextlib.suppress(RedisError):  # CONFIG may be disabled (managed Redis)
@@ -606,6 +639,30 @@ class RedisBroker(Broker):
                 log.info("took over entry %s of queue %s from an idle consumer", _text(eid), q)
                 out.append(self._delivery(q, eid, fields, redelivered=True))
         return out
+
+    async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
+        """A dead worker's pending entries go back on their streams now, for
+        live consumers to read, instead of after ``claim_idle``."""
+        await self._redis()
+        total = 0
+        queues = info.get("queues")
+        for q in [q for q in queues or [] if isinstance(q, str)] or ["default"]:
+            k = self.keys(q)
+            while True:
+                try:
+                    looked, handed = await self._run(
+                        "hand_on", [k.ready, k.held], [self.settings.group, worker,
+                                                       _MOVE_LIMIT])
+                except ResponseError as exc:
+                    if str(exc).startswith("NOGROUP"):
+                        break  # no stream or group: nothing was pending
+                    raise BrokerError(f"{self._where()}: {exc}") from exc
+                except RedisError as exc:
+                    raise BrokerError(f"{self._where()}: {exc}") from exc
+                total += int(handed)
+                if int(looked) < _MOVE_LIMIT:
+                    break
+        return total
 
     async def _prune_consumers(self, client: aioredis.Redis, names: list[str]) -> None:
         """Forget consumers with nothing pending that were idle for an hour (or

@@ -37,7 +37,7 @@ restart, an operator's mistake) lost every message sent before that moment.
 jobs published before the queue's creation, and the relay publishes them again.
 
 URL: ``sqs://[KEY:SECRET@][HOST[:PORT]]?region=&endpoint=&prefix=duebox-&fifo=false
-&wait=10&visibility_timeout=30&threads=8&max_message_size=262144&create=true
+&wait=10&visibility_timeout=3&threads=8&max_message_size=262144&create=true
 &check_interval=60&tls=&max_delay=``.  A host in the URL is the endpoint
 (``http://`` for localhost and 127.0.0.1, else ``https://``; ``?tls=`` decides);
 without one, boto3 finds AWS's endpoint, credentials and region as usual.

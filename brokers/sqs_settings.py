@@ -32,7 +32,9 @@ class SQSSettings:
     prefix: str = "duebox-"
     fifo: bool = False
     wait: int = 10
-    visibility_timeout: int = 30
+    # Short, and extended every second while a message is held: a dead
+    # worker's messages reappear within 3 s (issue #18).
+    visibility_timeout: int = 3
     threads: int = 8
     max_message_size: int = 256 * 1024
     create: bool = True
@@ -81,7 +83,7 @@ class SQSSettings:
                               "at most 40 letters, digits, '-' or '_'"),
             fifo=flag(params, "fifo", False),
             wait=int(number(params, "wait", 10, low=0, high=20, integer=True)),
-            visibility_timeout=int(number(params, "visibility_timeout", 30, low=1,
+            visibility_timeout=int(number(params, "visibility_timeout", 3, low=1,
                                           high=MAX_VISIBILITY, integer=True)),
             threads=int(number(params, "threads", 8, low=1, high=64, integer=True)),
             max_message_size=int(number(params, "max_message_size", 256 * 1024, low=1024,

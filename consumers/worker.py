@@ -126,6 +126,7 @@ class Worker:
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="worker", name=self.name, interval=heartbeat_interval,
             info=self._info)
+        self.broker.registry_changed = self.heartbeat.poke
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Consume until ``stop`` is set, then finish what is running."""
@@ -133,7 +134,8 @@ class Worker:
         if not await open_broker(self.broker, stop):
             return
         self.pools = Pools.for_worker(self.concurrency)
-        await asyncio.to_thread(self.heartbeat.sync_clock_once)
+        # The liveness lock and registry row come before the first lease.
+        await asyncio.to_thread(self.heartbeat.register)
         await self._warm_up()
         # Everything allocated so far (modules, SQLAlchemy's caches, the app)
         # lives as long as the process: out of the collector's sight, a full
@@ -374,7 +376,8 @@ class Worker:
         return {"role": "worker", "backend": self.backend, "queues": self.queues,
                 "concurrency": self.concurrency, "received": st.received,
                 "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
-                "throttled": st.throttled}
+                "throttled": st.throttled, "lease_lost": st.lease_lost,
+                **self.broker.registry_info()}
 
     def _queue_metrics(self, queue: str) -> tuple[Any, Any, Any, Any, Any]:
         """The per-queue metric children every job touches (start lateness,

@@ -6,6 +6,11 @@ Each process owns one row named ``relay:<token>`` or ``worker:<token>``
 started_at, counters).  A clean stop deletes the row; a crashed process's row
 simply expires: readers ignore expired rows and the relay prunes them.  Other
 uses of ``duebox_lease`` (named leases) never carry these prefixes.
+
+Before its first row, a process takes its liveness lock (core/liveness.py);
+the row then carries ``info.name`` (the process name its lease owners start
+with) and ``info.liveness`` (the lock was taken), which is what lets a peer
+find a dead process at once (core/takeover.py) rather than by lease expiry.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from sqlalchemy import Connection, delete, or_, select, update
 from .clock import sync_clock
 from .db import db_errors
 from .errors import DatabaseError
+from .liveness import SessionLock
 from .tables import lease
 
 log = logging.getLogger("duebox.heartbeat")
@@ -54,6 +60,19 @@ def remove(conn: Connection, *, name: str) -> None:
 
 def _ours() -> Any:
     return or_(*[lease.c.name.like(f"{role}:%") for role in ROLES])
+
+
+def watched(conn: Connection, limit: int = 1000) -> dict[str, str]:
+    """Registered processes that hold a liveness lock, expired rows too (a
+    crashed process stops renewing): process name → row name."""
+    rows = conn.execute(select(lease.c.name, lease.c.info).where(_ours()).limit(limit)).all()
+    out = {}
+    for row, info in rows:
+        info = info if isinstance(info, dict) else {}
+        name = info.get("name")
+        if info.get("liveness") and isinstance(name, str) and "#" not in name:
+            out[name] = row
+    return out
 
 
 def expired_names(conn: Connection, *, now: datetime, limit: int = 500) -> list[str]:
@@ -105,7 +124,11 @@ class ProcessHeartbeat:
     ) -> None:
         self.engine = engine
         self.clock = clock
+        self.process = name
         self.name = row_name(role, name)
+        # Lease owners are ``<name>#<n>``: a name with a '#' would prefix
+        # another's, so such a process is found dead by lease expiry only.
+        self.lock = SessionLock(engine, name) if "#" not in name else None
         self.info = info
         self.interval = interval
         self.ttl = interval * ttl_intervals
@@ -113,10 +136,13 @@ class ProcessHeartbeat:
         self.tick_interval = tick_interval if tick_interval is not None else interval
         self.started_at = clock.now()
         self.beats = 0
+        self._poked = False
+        self._wake: asyncio.Event | None = None
 
     def beat_once(self) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "started_at": self.started_at.isoformat(), **self.info()}
+                "started_at": self.started_at.isoformat(), "name": self.process,
+                "liveness": self.lock is not None and self.lock.ever_held, **self.info()}
         engine = self.engine
         if engine.dialect.name in ("mysql", "mariadb"):
             # InnoDB's REPEATABLE READ locks the gap an UPDATE finds empty, so
@@ -130,6 +156,21 @@ class ProcessHeartbeat:
             sync_clock(self.clock, conn)
             beat(conn, name=self.name, now=self.clock.now(), ttl=self.ttl, info=info)
         self.beats += 1
+
+    def register(self) -> None:
+        """Before the first lease: take the liveness lock, then write the
+        row (which says the lock is held) and read the database's clock.  A
+        database that cannot be reached leaves both to the heartbeat loop
+        (the lock's keeper thread retries); meanwhile a crash of this process
+        is noticed by lease expiry, as before."""
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            with db_errors("registering the process"):
+                self.beat_once()
+        except DatabaseError as exc:
+            log.warning("cannot register this process yet: %s", exc)
+            self.sync_clock_once()
 
     def sync_clock_once(self) -> None:
         """Read the database's clock now, before the first due-time decision
@@ -145,13 +186,21 @@ class ProcessHeartbeat:
         with self.engine.begin() as conn:
             remove(conn, name=self.name)
 
+    def poke(self) -> None:
+        """Beat now, not at the next interval (what the row says changed).
+        Called on the loop :meth:`run` runs in."""
+        self._poked = True
+        if self._wake is not None:
+            self._wake.set()
+
     async def run(self, stop: asyncio.Event) -> None:
         last_beat = last_tick = -math.inf
+        self._wake = asyncio.Event()
         while not stop.is_set():
             now = time.monotonic()
             try:
-                if now - last_beat >= self.interval:
-                    last_beat = now
+                if now - last_beat >= self.interval or self._poked:
+                    last_beat, self._poked = now, False
                     await asyncio.to_thread(self.beat_once)
                 if self.tick is not None and now - last_tick >= self.tick_interval:
                     last_tick = now
@@ -159,8 +208,14 @@ class ProcessHeartbeat:
             except Exception as exc:  # never fatal: the next beat retries
                 log.warning("%s: heartbeat failed: %s", self.name, exc)
             wait = min(self.interval, self.tick_interval if self.tick else self.interval)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+            self._wake.clear()
+            if self._poked:
+                continue
+            waiters = {asyncio.ensure_future(stop.wait()),
+                       asyncio.ensure_future(self._wake.wait())}
+            await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
 
     async def stop(self, task: asyncio.Task[None] | None) -> None:
         """Stop ``task`` (this heartbeat's :meth:`run`) and delete the row."""
@@ -172,7 +227,9 @@ class ProcessHeartbeat:
             await asyncio.to_thread(self.remove_once)
         except Exception as exc:  # the row expires on its own
             log.warning("%s: could not remove the heartbeat row: %s", self.name, exc)
+        if self.lock is not None:  # after the row: a row never outlives its lock
+            await asyncio.to_thread(self.lock.release)
 
 
 __all__ = ["ROLES", "ProcessHeartbeat", "alive", "beat", "expired_names", "prune", "remove",
-           "row_name"]
+           "row_name", "watched"]

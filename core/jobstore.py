@@ -332,19 +332,52 @@ def recover(
     attempts are used up it goes to DEAD instead of cycling forever.
     """
     cutoff = now - timedelta(seconds=margin)
+    dispatching, running, dead = _return_leases(
+        conn, job.c.lease_until < cutoff, now=now, limit=limit,
+        lost_error="lease expired: the worker stopped heartbeating (crash, kill or pause)")
     free = {"lease_owner": None, "lease_until": None, "updated_at": now}
-
-    dispatching = _update_candidates(
+    stale = now - timedelta(seconds=redeliver_after)
+    # Measured from the due time *and* from the last publish: a job already
+    # republished waits redeliver_after again.  From the due time alone, every
+    # recovery pass of every relay republished every overdue job once a backlog
+    # passed redeliver_after, and the duplicates deepened the backlog (the soak
+    # saw 23,706 messages queued for 2,400 jobs).
+    enqueued = _update_candidates(
         conn, update(job).values(state=JobState.SCHEDULED, **free),
         _claim_candidates(
-            and_(job.c.state == JobState.DISPATCHING, job.c.lease_until < cutoff), limit),
+            and_(job.c.state == JobState.ENQUEUED, job.c.due_at < stale,
+                 or_(job.c.published_at.is_(None), job.c.published_at < stale)), limit),
     )
+    return Recovered(dispatching, running, dead, enqueued)
 
+
+def recover_owned(conn: Connection, *, process: str, now: datetime, limit: int) -> Recovered:
+    """Return the jobs leased by a process found dead (core/liveness.py) to
+    SCHEDULED at once, as lease expiry would: every lease it took is owned
+    by ``<process>#<n>``, a string no other process writes, so the owner
+    fences this update as the generation fences a completion; a RUNNING job
+    counts as a lost attempt.  At most ``limit`` of each kind per call."""
+    dispatching, running, dead = _return_leases(
+        conn, job.c.lease_owner.startswith(process + "#", autoescape=True), now=now,
+        limit=limit, lost_error="the worker's process died (its database session ended)")
+    return Recovered(dispatching, running, dead)
+
+
+def _return_leases(conn: Connection, which: ColumnElement[bool], *, now: datetime, limit: int,
+                   lost_error: str) -> tuple[int, int, int]:
+    """DISPATCHING and RUNNING jobs matching ``which`` back to SCHEDULED (a
+    RUNNING one whose attempts are used up to DEAD, its attempt closed as
+    ``lost``): the counts moved (dispatching, running, dead)."""
+    free = {"lease_owner": None, "lease_until": None, "updated_at": now}
+    dispatching = _update_candidates(
+        conn, update(job).where(job.c.state == JobState.DISPATCHING, which)
+        .values(state=JobState.SCHEDULED, **free),
+        _claim_candidates(and_(job.c.state == JobState.DISPATCHING, which), limit),
+    )
     lost_ids = list(conn.execute(_claim_candidates(
-        and_(job.c.state == JobState.RUNNING, job.c.lease_until < cutoff), limit)).scalars())
+        and_(job.c.state == JobState.RUNNING, which), limit)).scalars())
     running = dead = 0
     if lost_ids:
-        lost_error = "lease expired: the worker stopped heartbeating (crash, kill or pause)"
         dead = conn.execute(
             update(job)
             .where(job.c.id.in_(lost_ids), job.c.state == JobState.RUNNING,
@@ -362,20 +395,7 @@ def recover(
             .where(attempt.c.job_id.in_(lost_ids), attempt.c.outcome.is_(None))
             .values(outcome="lost", error_class="lost", finished_at=now)
         )
-
-    stale = now - timedelta(seconds=redeliver_after)
-    # Measured from the due time *and* from the last publish: a job already
-    # republished waits redeliver_after again.  From the due time alone, every
-    # recovery pass of every relay republished every overdue job once a backlog
-    # passed redeliver_after, and the duplicates deepened the backlog (the soak
-    # saw 23,706 messages queued for 2,400 jobs).
-    enqueued = _update_candidates(
-        conn, update(job).values(state=JobState.SCHEDULED, **free),
-        _claim_candidates(
-            and_(job.c.state == JobState.ENQUEUED, job.c.due_at < stale,
-                 or_(job.c.published_at.is_(None), job.c.published_at < stale)), limit),
-    )
-    return Recovered(dispatching, running, dead, enqueued)
+    return dispatching, running, dead
 
 
 @dataclass(frozen=True, slots=True)
@@ -870,6 +890,7 @@ __all__ = [
     "mark_enqueued",
     "next_due",
     "recover",
+    "recover_owned",
     "release",
     "requeue_lost",
     "retry_stmt",

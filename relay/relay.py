@@ -46,6 +46,7 @@ from duebox.errors import BrokerError, ConfigurationError, DatabaseError
 from duebox.heartbeat import ProcessHeartbeat, prune
 from duebox.ids import process_token
 from duebox.metrics import DBCollector, Metrics, process_metrics, seconds
+from duebox.takeover import Takeover
 
 from .catchup import CatchUp
 from .fairness import DispatchPolicy
@@ -183,6 +184,8 @@ class Relay:
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
             info=self._info, tick=self._collect, tick_interval=collect_interval)
+        # Dead relays' and workers' jobs, taken over at once (core/takeover.py).
+        self.takeover = Takeover(app.engine, app.clock, self.batch_size, self.name)
 
     # --- one pass ------------------------------------------------------------
 
@@ -190,13 +193,13 @@ class Relay:
         stats = PassStats()
         if self._held:  # held jobs now due go first: the rest of the pass takes time
             await self._release_held(stats)
-        if time.monotonic() - self._last_recover >= self.recover_interval:
+        if self._recover_wait() <= 0:
             self._last_recover = time.monotonic()
-            recovered = await asyncio.to_thread(self._recover)
-            stats.recovered = recovered.total
-            for kind in ("dispatching", "running", "dead", "enqueued"):
-                if getattr(recovered, kind):
-                    self.metrics.recovered.labels(kind).inc(getattr(recovered, kind))
+            for recovered in (await asyncio.to_thread(self._recover), await self._take_over()):
+                stats.recovered += recovered.total
+                for kind in ("dispatching", "running", "dead", "enqueued"):
+                    if getattr(recovered, kind):
+                        self.metrics.recovered.labels(kind).inc(getattr(recovered, kind))
             stats.expired += await asyncio.to_thread(self.catchup.sweep)
         stats.occurrences = await self.schedules.run()
         if not self.broker.capabilities.direct_claim:
@@ -580,6 +583,31 @@ class Relay:
             log.info("recovered expired leases: %s", rec)
         return rec
 
+    async def _take_over(self) -> jobstore.Recovered:
+        """Processes found dead by their liveness lock (core/liveness.py):
+        their leased jobs back to SCHEDULED now (claimed again in this very
+        pass), the messages a dead worker had received handed on by the
+        broker, then its registry row dropped."""
+        counts = [0, 0, 0]
+        for dead in await asyncio.to_thread(self.takeover.find):
+            got = await asyncio.to_thread(self.takeover.recover, dead)
+            handed = 0
+            if dead.role == "worker":
+                handed = await self.broker.take_over(dead.name, dead.info)
+            await asyncio.to_thread(self.takeover.forget, dead)
+            counts = [counts[0] + got.dispatching, counts[1] + got.running, counts[2] + got.dead]
+            log.warning("%s %s is gone (its database session ended): %d of its jobs recovered "
+                        "now, %d received messages handed on", dead.role, dead.name,
+                        got.total, handed)
+        return jobstore.Recovered(*counts)
+
+    def _recover_wait(self) -> float:
+        """Seconds until the next recovery pass: every ``recover_interval``,
+        and as soon as a process suspected dead can be confirmed so."""
+        wait = self.recover_interval - (time.monotonic() - self._last_recover)
+        confirm = self.takeover.watch.next_look()
+        return wait if confirm is None else min(wait, confirm)
+
     def _add(self, stats: PassStats, a_pass: bool = True) -> None:
         m, b = self.metrics, self.backend
         if a_pass:
@@ -615,8 +643,7 @@ class Relay:
 
     def _seconds_until_next(self) -> float:
         now = self.app.clock.now()
-        waits = [self.app.settings.poll_interval,
-                 self.recover_interval - (time.monotonic() - self._last_recover)]
+        waits = [self.app.settings.poll_interval, self._recover_wait()]
         if self._held and self._timer is None:
             waits.append((self._held[0].release_at - now).total_seconds())
         if self._sweeping or self.schedules.pending:
@@ -645,7 +672,8 @@ class Relay:
         if not await open_broker(self.broker, stop):
             return
         await waker.start()
-        await asyncio.to_thread(self.heartbeat.sync_clock_once)
+        # The liveness lock and registry row come before the first claim.
+        await asyncio.to_thread(self.heartbeat.register)
         gc.freeze()  # as the worker does (consumers/worker.py): no long full collections
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-relay-heartbeat")
         self._held_changed = asyncio.Event()  # of this loop: run() may be called again

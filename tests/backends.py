@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,63 @@ def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 20
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
+
+
+class Procs:
+    """The processes a test started, by name, each running ``launcher``;
+    whatever is still alive at the end (:meth:`stop_all`) is stopped with
+    SIGCONT, SIGTERM, then SIGKILL, by its own pid."""
+
+    def __init__(self, tmp: Path, launcher: Path, env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.launcher = launcher
+        self.env = env
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.killed: set[str] = set()
+
+    def start(self, name: str, *args: str) -> None:
+        log = (self.tmp / f"{name}.log").open("wb")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, str(self.launcher), *args],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
+        log.close()
+
+    def kill(self, name: str) -> None:
+        self.signal(name, signal.SIGKILL)
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        proc = self.procs[name]
+        assert proc.poll() is None, f"{name} had already exited:\n{self.log(name)}"
+        os.kill(proc.pid, sig)
+        if sig == signal.SIGKILL:
+            proc.wait(10)
+            self.killed.add(name)
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if name not in self.killed and proc.poll() is not None:
+                raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")[-6000:]
+
+    def stop_all(self) -> None:
+        stop_processes(self.procs.values(), timeout=20)
+
+
+def poll(what: str, condition: Callable[[], Any], timeout: float,
+         check: Callable[[], None] = lambda: None, interval: float = 0.1) -> Any:
+    """Wait for ``condition`` to return something true (returned), calling
+    ``check`` (which raises on a failure) on every look."""
+    deadline = time.monotonic() + timeout
+    while True:
+        check()
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 def with_params(url: str, **params: object) -> str:

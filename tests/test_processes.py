@@ -9,20 +9,15 @@ before its due time, and no cancelled job may have run.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from backends import stop_processes
+from backends import Procs, poll
 from helpers import check_no_early_start, create_effects, effect_rows, effects, memory_url
 from sqlalchemy.orm import Session
 
@@ -34,62 +29,13 @@ pytestmark = pytest.mark.slow
 LAUNCHER = Path(__file__).parent / "procs" / "app_for_tests.py"
 
 
-class Procs:
-    """The processes this test started; whatever is still alive at the end
-    is stopped with SIGTERM, then SIGKILL, by its own pid."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.killed: set[str] = set()
-
-    def start(self, role: str, url: str, broker: str, name: str) -> None:
-        log = (self.tmp / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, str(LAUNCHER), role, url, broker, name],
-            stdout=log, stderr=subprocess.STDOUT, cwd=LAUNCHER.parents[2],
-        )
-        log.close()
-
-    def kill(self, name: str) -> None:
-        proc = self.procs[name]
-        assert proc.poll() is None, f"{name} had already exited:\n{self.log(name)}"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        self.killed.add(name)
-
-    def check(self) -> None:
-        for name, proc in self.procs.items():
-            if name not in self.killed and proc.poll() is not None:
-                raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")[-4000:]
-
-    def stop_all(self) -> None:
-        stop_processes(self.procs.values(), timeout=15)
-
-
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
+    p = Procs(tmp_path, LAUNCHER)
     try:
         yield p
     finally:
         p.stop_all()
-
-
-def poll(what: str, condition: Callable[[], Any], timeout: float, check: Callable[[], None],
-         interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        check()
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def effects_by(engine: sa.Engine, worker_prefix: str) -> int:
@@ -183,9 +129,9 @@ def test_separate_relays_and_workers_survive_sigkill(database_url: str, procs: P
     try:
         ids = schedule_jobs(app, 500, rng)
         for name in ("r1", "r2"):
-            procs.start("relay", database_url, "sql://", name)
+            procs.start(name, "relay", database_url, "sql://", name)
         for name in ("w1", "w2"):
-            procs.start("worker", database_url, "sql://", name)
+            procs.start(name, "worker", database_url, "sql://", name)
         # Cancel a tenth, at random, while the processes start up.
         cancelled = cancel_some(app, rng.sample(ids, 50))
         poll("w1 to commit some effects", lambda: effects_by(app.engine, "w1-") >= 40,
@@ -218,7 +164,7 @@ def test_colocated_relay_and_worker_processes_on_memory_survive_sigkill(
     try:
         ids = schedule_jobs(app, 400, rng)
         for name in ("p1", "p2"):
-            procs.start("both", database_url, broker, name)
+            procs.start(name, "both", database_url, broker, name)
         cancelled = cancel_some(app, rng.sample(ids, 40))
         poll("p1 to commit some effects", lambda: effects_by(app.engine, "p1-") >= 40,
              timeout=30, check=procs.check)

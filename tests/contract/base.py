@@ -406,8 +406,10 @@ class BackendContract:
         assert [a.outcome for a in attempt_rows(app.engine, job_id)] == ["lost", "succeeded"]
         if caps.redelivers_unacked and not caps.direct_claim:
             # The unacked message came back to the survivor and was dropped
-            # (still leased by the dead worker), or ran it once recovered.
-            assert r2.worker_total("received") >= 2, r2.workers[0].stats
+            # (still leased by the dead worker), or ran it once recovered
+            # (Redis hands a dead worker's entries on after its jobs are
+            # recovered: then that one delivery is all it takes).
+            assert r2.worker_total("received") >= 1, r2.workers[0].stats
             assert set(r2.discarded) <= {"already_running", "already_succeeded",
                                          "stale_version"}, r2.discarded
         # Otherwise (sql:// leases, memory:// lost with its process) the relay

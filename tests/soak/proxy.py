@@ -169,6 +169,10 @@ class Proxy:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        if self.proc is not None:  # its pipes too (warnings are errors in the tests)
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 def main(host: str, port: str) -> None:
