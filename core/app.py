@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .clock import Clock, DatabaseClock, server_time_after
+from .clock import Clock, DatabaseClock
 from .config import Settings
 from .db import create_async_engine_for, create_sync_engine
 from .dlq import check_operator
@@ -308,10 +308,9 @@ class Duebox:
         if at is None and delay is None:
             raise ValidationError("at/delay", "give one of at= and delay=")
         due_at, span = resolve_due(self.clock.now(), at, delay)
-        due = (server_time_after(dialect, span) if span is not None and self.follows_database
-               else None)
-        return drive(session, reschedule_steps(job_id, due if due is not None else due_at,
-                                               self.clock.now(), self.settings.notify, dialect))
+        return drive(session, reschedule_steps(job_id, due_at, span, self.clock.now(),
+                                               self.settings.notify, dialect,
+                                               self.follows_database))
 
     @property
     def follows_database(self) -> bool:

@@ -42,9 +42,9 @@ class Copy:
     rows: list[tuple[Any, ...]]
 
 
-# A step is a statement, a statement and its parameter sets (an executemany),
-# or a COPY.
-Step = Executable | tuple[Executable, list[dict[str, Any]]] | Copy
+# A step is a statement, a statement and its parameters (a list of sets: an
+# executemany), or a COPY.
+Step = Executable | tuple[Executable, list[dict[str, Any]] | dict[str, Any]] | Copy
 Steps = Generator[Step, CursorResult[Any], T]
 
 _INT32 = 2**31 - 1
@@ -124,6 +124,9 @@ _COPY_JOBS = f"COPY {job.name} ({', '.join(COPY_COLUMNS)}) FROM STDIN"
 # --- validation at the boundary --------------------------------------------
 
 
+_NO_DELAY = timedelta(0)
+
+
 def resolve_due(now: datetime, at: object, delay: object) -> tuple[datetime, timedelta | None]:
     """The due time (``now`` plus ``delay``, or ``at``) and the delay it was
     counted with: None for ``at=``, whose instant is absolute.  With a
@@ -134,7 +137,7 @@ def resolve_due(now: datetime, at: object, delay: object) -> tuple[datetime, tim
     if at is not None:
         return aware("at", at), None
     if delay is None:
-        return now, timedelta(0)
+        return now, _NO_DELAY
     seconds = seconds_of("delay", delay)
     if seconds >= (LATEST - now).total_seconds():
         raise ValidationError("delay", f"must end before {LATEST:%Y-%m-%d} UTC", delay)
@@ -285,14 +288,15 @@ def insert_steps(
     and a producer whose clock lags cannot make the job early."""
     job_id = uuid7()
     row = new.row(job_id, now)
+    params: dict[str, Any] = {}
     later = (server_time_after(dialect, new.delay) if server_clock and new.delay is not None
              else None)
     if later is not None:
-        row["due_at"] = later
+        row["due_at"], params = later
     if new.key is None:
-        yield job.insert().values(row)
+        yield job.insert().values(row), params
     else:
-        result = yield insert_if_absent(job, row, dialect, ["key"])
+        result = yield insert_if_absent(job, row, dialect, ["key"]), params
         if result.rowcount != 1:
             existing = yield select(job.c.id).where(job.c.key == new.key)
             return uuid.UUID(str(existing.scalar_one()))
@@ -355,14 +359,22 @@ def cancel_steps(
     return True
 
 
-def reschedule_steps(job_id: object, due_at: datetime | ColumnElement[datetime],
-                     now: datetime, notify: bool, dialect: str) -> Steps[None]:
+def reschedule_steps(job_id: object, due_at: datetime, delay: timedelta | None, now: datetime,
+                     notify: bool, dialect: str, server_clock: bool) -> Steps[None]:
+    """Move the job to ``due_at``; with ``delay`` and ``server_clock``, to the
+    database's time plus ``delay`` (as insert_steps)."""
     jid = parse_job_id(job_id)
+    due: datetime | ColumnElement[datetime] = due_at
+    params: dict[str, Any] = {}
+    later = server_time_after(dialect, delay) if server_clock and delay is not None else None
+    if later is not None:
+        due, params = later
     result = yield (
         update(job)
         .where(job.c.id == jid, job.c.state.in_(list(RESCHEDULABLE_STATES)))
-        .values(state=JobState.SCHEDULED, due_at=due_at, version=job.c.version + 1,
-                lease_owner=None, lease_until=None, updated_at=now)
+        .values(state=JobState.SCHEDULED, due_at=due, version=job.c.version + 1,
+                lease_owner=None, lease_until=None, updated_at=now),
+        params,
     )
     if result.rowcount == 0:
         found = yield select(job.c.state).where(job.c.id == jid)

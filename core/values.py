@@ -69,6 +69,8 @@ _UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 def text_problem(value: str) -> str | None:
     """Why ``value`` cannot be stored as given, or None."""
+    if value.isascii() and "\x00" not in value:  # the common case, without the regex
+        return None
     m = _BAD_TEXT.search(value)
     if m is None:
         return None
@@ -160,25 +162,47 @@ def _bare_number(value: object) -> None:
 _INT64 = -(2**63)
 
 
+# What each JSON type is to the walk, looked up by exact type (the walk runs
+# for every job scheduled); a subclass (StrEnum, OrderedDict) by isinstance.
+_STR, _PLAIN, _FLOAT, _DICT, _LIST = range(5)
+_KINDS: dict[type, int] = {str: _STR, int: _PLAIN, bool: _PLAIN, type(None): _PLAIN,
+                           float: _FLOAT, dict: _DICT, list: _LIST}
+_BASES = ((str, _STR), (int, _PLAIN), (float, _FLOAT), (dict, _DICT), (list, _LIST))
+
+
+def _kind(value: object) -> int:
+    kind = _KINDS.get(type(value))
+    if kind is not None:
+        return kind
+    for base, kind in _BASES:
+        if isinstance(value, base):
+            return kind
+    name = type(value).__name__
+    hint = " (it would come back as a list)" if isinstance(value, tuple) else ""
+    raise _Unfaithful(f"must be JSON: None, bool, int, float, str, list, or dict with str keys; "
+                      f"not {name}{hint}", value)
+
+
 def _walk(value: object, depth: int) -> None:
-    if isinstance(value, str):
-        problem = text_problem(value)
+    kind = _kind(value)
+    if kind == _PLAIN:
+        return
+    if kind == _STR:
+        problem = text_problem(value)  # type: ignore[arg-type]
         if problem is not None:
             raise _Unfaithful(problem, value)
         return
-    if value is None or isinstance(value, int):  # bool is an int
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
+    if kind == _FLOAT:
+        if not math.isfinite(value):  # type: ignore[arg-type]
             raise _Unfaithful("must be a finite number (JSON has no NaN or infinity)", value)
-        if abs(value) >= FLOAT_LIMIT:
+        if abs(value) >= FLOAT_LIMIT:  # type: ignore[arg-type]
             raise _Unfaithful("a float must be below 1e16 in magnitude (PostgreSQL hands larger "
                               "ones back as integers); send an int or a string", value)
         return
     if depth >= MAX_DEPTH:
         raise _Unfaithful(_TOO_DEEP, ...)
-    if isinstance(value, dict):
-        for key, item in value.items():
+    if kind == _DICT:
+        for key, item in value.items():  # type: ignore[attr-defined]
             if not isinstance(key, str):
                 raise _Unfaithful(f"dict keys must be strings (JSON turns the key {key!r} into "
                                   f"{json.dumps(str(key))})", key)
@@ -186,23 +210,19 @@ def _walk(value: object, depth: int) -> None:
                 problem = text_problem(key)
                 if problem is not None:
                     raise _Unfaithful(f"key {problem}", key)
-                _walk(item, depth + 1)
+                if _KINDS.get(type(item)) != _PLAIN:
+                    _walk(item, depth + 1)
             except _Unfaithful as bad:
                 bad.path.append(f"[{key!r}]")
                 raise
         return
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            try:
+    for i, item in enumerate(value):  # type: ignore[arg-type]
+        try:
+            if _KINDS.get(type(item)) != _PLAIN:
                 _walk(item, depth + 1)
-            except _Unfaithful as bad:
-                bad.path.append(f"[{i}]")
-                raise
-        return
-    kind = type(value).__name__
-    hint = " (it would come back as a list)" if isinstance(value, tuple) else ""
-    raise _Unfaithful(f"must be JSON: None, bool, int, float, str, list, or dict with str keys; "
-                      f"not {kind}{hint}", value)
+        except _Unfaithful as bad:
+            bad.path.append(f"[{i}]")
+            raise
 
 
 # One encoder: json.dumps() with options builds a new one on every call.
