@@ -10,7 +10,6 @@ different keys one.
 
 from __future__ import annotations
 
-import math
 import unicodedata
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -26,12 +25,13 @@ from sqlalchemy.orm import Session
 import duebox
 from duebox import ConfigurationError, ValidationError
 from duebox.message import JobMessage
+from duebox.schedules import ScheduleInfo
 from duebox.values import MAX_DEPTH
 
 from .common import nothing_written
+from .strategies import MB, NASTY, NASTY_TEXT, PLAIN, nested
 
 NUL, SURROGATE = "a\x00b", "x\ud800"
-MB = 1024 * 1024
 
 biz_metadata = sa.MetaData()
 biz = sa.Table("biz", biz_metadata, sa.Column("id", sa.Integer, primary_key=True))
@@ -51,13 +51,6 @@ def app(database_url_all: str) -> Iterator[duebox.Duebox]:
 def business_rows(engine: sa.Engine) -> list[int]:
     with engine.connect() as conn:
         return sorted(conn.execute(sa.select(biz.c.id)).scalars())
-
-
-def nested(depth: int, leaf: Any = 1) -> Any:
-    value = leaf
-    for i in range(depth):
-        value = [value] if i % 2 else {"k": value}
-    return value
 
 
 # (id, the call, the field it must name).  Each carries text no database
@@ -175,42 +168,6 @@ def received(app: duebox.Duebox, job_id: Any) -> list[Any]:
     return [row.payload, JobMessage.decode(message.encode()).payload]
 
 
-NASTY_TEXT = st.text(st.characters(exclude_categories=()), max_size=12) | st.lists(
-    st.sampled_from(["\x00", "\ud800", "\udc80", "\x1b[2J", "\n", "\u202e", "\u200f",
-                     "\ufeff", "e\u0301", "\u00e9", "\u2028", "\x7f", "\U0001d518",
-                     "\\u0000", '"', "\\", " "]), max_size=4).map("".join)
-NASTY_NUMBERS = (st.integers() | st.floats() | st.booleans() | st.sampled_from([
-    -0.0, 1e16, -1e16, 9.999999999999998e15, 1e-320, 5e-324, 2**53 + 1, 10**400,
-    Decimal("1.1"), math.pi, 1e308, "123", "1e16", "NaN"])
-    # Past 4,300 digits an int has no JSON text (nor a repr): built, not listed.
-    | st.integers(4_290, 4_310).map(lambda n: 10**n))
-NASTY_KEYS = NASTY_TEXT | st.integers() | st.booleans() | st.none() | st.floats() | st.tuples(
-    st.integers())
-NASTY = st.recursive(
-    st.none() | NASTY_NUMBERS | NASTY_TEXT | st.binary(max_size=4),
-    lambda children: (st.lists(children, max_size=4)
-                      | st.dictionaries(NASTY_KEYS, children, max_size=4)
-                      | st.tuples(children, children)
-                      | st.frozensets(st.integers(), max_size=2)),
-    max_leaves=20,
-) | st.integers(MAX_DEPTH - 2, 1_500).map(nested) | st.sampled_from(
-    ["x" * (3 * MB), ["y" * 1000] * (5 * 1024), nested(MAX_DEPTH), nested(MAX_DEPTH + 1),
-     nested(100_000)])
-
-PLAIN_TEXT = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)),
-                     max_size=12)
-PLAIN_FLOATS = st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: abs(f) < 1e16)
-PLAIN_CONTAINERS = st.recursive(
-    st.none() | st.booleans() | st.integers() | PLAIN_FLOATS | PLAIN_TEXT,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(PLAIN_TEXT, children, max_size=4),
-    max_leaves=20,
-).filter(lambda v: isinstance(v, list | dict))
-# The whole payload may also be a scalar; a number there must be a 64-bit
-# int or have a fraction (SQLite's JSON column rewrites others).
-PLAIN = (PLAIN_CONTAINERS | st.none() | st.booleans() | PLAIN_TEXT
-         | st.integers(-(2**63), 2**63 - 1)
-         | PLAIN_FLOATS.filter(lambda f: not f.is_integer()))
 EXAMPLES = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -259,6 +216,40 @@ def test_plain_json_is_always_accepted_and_comes_back_equal(app: duebox.Duebox) 
             job_id = app.schedule(conn, "effect", payload)
         for got in received(app, job_id):
             assert same(got, payload), (got, payload)
+
+    check()
+
+
+def test_any_schedule_is_stored_as_given_or_refused_by_name(app: duebox.Duebox) -> None:
+    """schedules.add with hostile names, queues, zones, cron text and
+    payloads: the schedule reads back exactly as given, or a ValidationError
+    names the argument; the business write beside it commits either way."""
+    fields = {"name", "queue", "timezone", "cron", "payload"}
+
+    @EXAMPLES
+    @given(name=NASTY_TEXT, queue=st.none() | NASTY_TEXT, payload=NASTY,
+           timezone=st.sampled_from(["UTC", "Europe/Berlin", "UTC\x00", "\ud800"]) | NASTY_TEXT,
+           cron=st.sampled_from(["* * * * *", "0 3 * * *", "* * * * *\x00"]) | NASTY_TEXT)
+    def check(name: str, queue: str | None, payload: Any, timezone: str, cron: str) -> None:
+        before = business_rows(app.engine)
+        error = None
+        with Session(app.engine) as s, s.begin():
+            s.execute(biz.insert().values(id=len(before) + 1))
+            try:
+                app.schedules.add(s, name, "effect", cron, queue=queue, timezone=timezone,
+                                  payload=payload)
+            except ValidationError as exc:
+                error = exc
+        assert len(business_rows(app.engine)) == len(before) + 1
+        if error is not None:
+            assert error.field in fields, error
+            return
+        with Session(app.engine) as s, s.begin():
+            info = app.schedules.get(s, name)
+            assert isinstance(info, ScheduleInfo)
+            assert (info.name, info.queue, info.timezone) == (name, queue or "default", timezone)
+            assert same(info.payload, payload), (info.payload, payload)
+            app.schedules.delete(s, info.id)
 
     check()
 
