@@ -76,7 +76,7 @@ def register(cli: click.Group) -> None:
     @dlq_group.command("replay")
     @app_options
     @_operator_options
-    @click.option("--rate", default=50.0, type=click.FloatRange(min=0.001),
+    @click.option("--rate", default=50.0, type=click.FloatRange(min=dlq.MIN_RATE),
                   help="Replayed jobs become due at most this many per second.")
     @click.option("--force", is_flag=True, help="Also replay quarantined jobs.")
     def dlq_replay(app_spec: str | None, database_url: str | None, broker_url: str | None,

@@ -113,6 +113,10 @@ def check_operator(operator: object, reason: object) -> tuple[str, str]:
     return check_printable("operator", operator.strip()), check_printable("reason", reason.strip())
 
 
+# Replayed jobs are due 1/rate apart: slower than one per 1,000 s and a big
+# replay's last due time would leave the calendar (duebox.values.LATEST).
+MIN_RATE = 0.001
+
 ERROR_CLASSES = (*(str(c) for c in FailureClass), "lost", "expired")
 
 
@@ -202,9 +206,15 @@ def replay(
     :class:`PermissionDeniedError` when the database role may not do it."""
     operator, reason = check_operator(operator, reason)
     error_class = check_error_class(error_class)
-    if (not isinstance(rate, int | float) or isinstance(rate, bool) or not math.isfinite(rate)
-            or not rate > 0):
-        raise ValidationError("rate", "must be a finite number of jobs per second > 0", rate)
+    try:
+        per_second = float(rate) if not isinstance(rate, bool) else math.nan
+    except (TypeError, ValueError, OverflowError):  # not a number, or an int past any float
+        per_second = math.nan
+    if not isinstance(rate, int | float) or not math.isfinite(per_second) or not (
+            per_second >= MIN_RATE):
+        raise ValidationError("rate", f"must be a finite number of jobs per second >= {MIN_RATE}",
+                              rate)
+    rate = per_second
     with db_errors("dlq replay"):
         return _replay(app, operator, reason, ids, error_class, task, rate, force, progress)
 

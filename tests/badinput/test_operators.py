@@ -244,7 +244,7 @@ def test_replay_and_purge_through_the_api_refuse_without_an_operator(
                     action(app, operator=operator, reason=reason,  # type: ignore[arg-type]
                            ids=[job_id])
                 assert info.value.field == field
-        for rate in (0, -1, float("nan"), float("inf"), True):
+        for rate in (0, -1, float("nan"), float("inf"), True, 1e-300, 10**400):
             with pytest.raises(ValidationError, match="rate"):
                 dlq.replay(app, operator="bob", reason="why", ids=[job_id], rate=rate)
         assert snapshot(app.engine) == before
