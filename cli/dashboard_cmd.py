@@ -13,7 +13,8 @@ from duebox import migrate
 
 from .loading import load_app
 from .main import _redact as redact
-from .main import app_options, cli
+from .main import cli
+from .options import app_options
 
 
 def _loopback(address: str) -> bool:

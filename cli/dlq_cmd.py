@@ -9,10 +9,11 @@ from urllib.parse import urlsplit
 import click
 
 from duebox import dlq
-from duebox.db import db_errors
 from duebox.ids import parse_job_id
+from duebox.values import shown
 
 from .loading import load_app
+from .options import TEXT, app_options, operator_options
 
 Cmd = Callable[..., None]
 
@@ -21,30 +22,33 @@ def _ids(values: tuple[str, ...]) -> list[Any] | None:
     return [parse_job_id(v, "JOB_ID") for v in values] if values else None
 
 
-def register(cli: click.Group, app_options: Callable[[Cmd], Cmd]) -> None:
+# Filtering on a class that does not exist would match nothing and look like
+# success ("replayed 0"): click refuses it, naming the valid ones.
+ERROR_CLASS = click.Choice(dlq.ERROR_CLASSES)
+
+
+def register(cli: click.Group) -> None:
     @cli.group("dlq")
     def dlq_group() -> None:
         """The dead-letter queue: browse, replay, purge."""
 
     @dlq_group.command("list")
     @app_options
-    @click.option("--error-class", default=None,
-                  type=click.Choice(["transient", "throttled", "permanent", "unknown", "lost",
-                                     "expired"]))
-    @click.option("--task", default=None)
+    @click.option("--error-class", default=None, type=ERROR_CLASS)
+    @click.option("--task", default=None, type=TEXT)
     @click.option("--limit", default=50, type=click.IntRange(1, 10_000))
     def dlq_list(app_spec: str | None, database_url: str | None, broker_url: str | None,
                  error_class: str | None, task: str | None, limit: int) -> None:
         """Dead jobs with their error class; quarantined ones are marked Q."""
         app = load_app(app_spec, database_url, broker_url)
-        with db_errors("dlq list"), app.engine.connect() as conn:
+        with app.engine.connect() as conn:
             total = dlq.count_dead(conn, error_class=error_class, task=task)
             rows = dlq.list_dead(conn, error_class=error_class, task=task, limit=limit)
         click.echo(f"{total} dead job(s)")
         for r in rows:
-            err = (r.last_error or "").splitlines()[0][:70] if r.last_error else ""
-            click.echo(f"{'Q' if r.quarantined else ' '} {r.id}  {r.task:<20} "
-                       f"{r.error_class or '-':<10} att {r.attempt:>2}  {err}")
+            err = shown((r.last_error or "").splitlines()[0][:70]) if r.last_error else ""
+            click.echo(f"{'Q' if r.quarantined else ' '} {r.id}  {shown(r.task):<20} "
+                       f"{shown(r.error_class or '-'):<10} att {r.attempt:>2}  {err}")
 
     @dlq_group.command("show")
     @app_options
@@ -60,11 +64,11 @@ def register(cli: click.Group, app_options: Callable[[Cmd], Cmd]) -> None:
                             app.clock.now(), with_payload=True))
 
     def _operator_options(fn: Cmd) -> Cmd:
-        fn = click.option("--reason", required=True, help="Why (recorded in the audit table).")(fn)
-        fn = click.option("--operator", envvar="DUEBOX_OPERATOR", required=True,
-                          help="Who (recorded in the audit table). [env DUEBOX_OPERATOR]")(fn)
-        fn = click.option("--task", default=None, help="Only dead jobs of this task.")(fn)
-        fn = click.option("--error-class", default=None, help="Only this error class.")(fn)
+        fn = operator_options(fn)
+        fn = click.option("--task", default=None, type=TEXT,
+                          help="Only dead jobs of this task.")(fn)
+        fn = click.option("--error-class", default=None, type=ERROR_CLASS,
+                          help="Only this error class.")(fn)
         fn = click.option("--all", "all_dead", is_flag=True,
                           help="Every dead job (or every one matching the filters).")(fn)
         return click.argument("job_ids", nargs=-1)(fn)
@@ -72,7 +76,7 @@ def register(cli: click.Group, app_options: Callable[[Cmd], Cmd]) -> None:
     @dlq_group.command("replay")
     @app_options
     @_operator_options
-    @click.option("--rate", default=50.0, type=click.FloatRange(min=0.001),
+    @click.option("--rate", default=50.0, type=click.FloatRange(min=dlq.MIN_RATE),
                   help="Replayed jobs become due at most this many per second.")
     @click.option("--force", is_flag=True, help="Also replay quarantined jobs.")
     def dlq_replay(app_spec: str | None, database_url: str | None, broker_url: str | None,
@@ -83,7 +87,7 @@ def register(cli: click.Group, app_options: Callable[[Cmd], Cmd]) -> None:
         operator, reason = dlq.check_operator(operator, reason)  # before any question
         app = load_app(app_spec, database_url, broker_url)
         ids = _select(job_ids, all_dead, error_class, task)
-        with db_errors("dlq count"), app.engine.connect() as conn:
+        with app.engine.connect() as conn:
             total = len(ids) if ids is not None else dlq.count_dead(
                 conn, error_class=error_class, task=task)
         with click.progressbar(length=total, label="replaying") as bar:
@@ -109,7 +113,7 @@ def register(cli: click.Group, app_options: Callable[[Cmd], Cmd]) -> None:
         ids = _select(job_ids, all_dead, error_class, task)
         if not yes:
             click.confirm("Delete these dead jobs for good?", abort=True)
-        with db_errors("dlq count"), app.engine.connect() as conn:
+        with app.engine.connect() as conn:
             total = len(ids) if ids is not None else dlq.count_dead(
                 conn, error_class=error_class, task=task)
         with click.progressbar(length=total, label="purging") as bar:

@@ -14,6 +14,7 @@ from duebox.db import db_errors
 from duebox.errors import JobNotFoundError
 from duebox.states import JobState
 from duebox.tables import attempt, audit, job
+from duebox.values import shown
 
 
 def list_jobs(engine: Engine, state: str | None, queue: str | None, limit: int) -> list[Any]:
@@ -135,14 +136,15 @@ def show_job(engine: Engine, job_id: uuid.UUID, broker_scheme: str, now: datetim
     row, attempts, audits = detail.row, detail.attempts, detail.audits
     lines = [
         f"job {row.id}",
-        f"  task {row.task}  queue {row.queue}  state {row.state}  version {row.version}  "
+        f"  task {shown(row.task)}  queue {shown(row.queue)}  state {row.state}  "
+        f"version {row.version}  "
         f"attempt {row.attempt}/{row.max_attempts}",
     ]
     if row.key:
-        lines.append(f"  key {row.key}")
+        lines.append(f"  key {shown(row.key)}")
     if row.tenant:
-        lines.append(f"  tenant {row.tenant}  priority {row.priority}")
-    lines.append(f"  now: {where_now(row, broker_scheme, now)}")
+        lines.append(f"  tenant {shown(row.tenant)}  priority {row.priority}")
+    lines.append(f"  now: {shown(where_now(row, broker_scheme, now))}")
     if with_payload:
         lines.append(f"  payload {json.dumps(row.payload, sort_keys=True)[:2000]}")
     lines.append("timeline")
@@ -155,13 +157,14 @@ def show_job(engine: Engine, job_id: uuid.UUID, broker_scheme: str, now: datetim
     if attempts:
         lines.append("attempts")
         for a in attempts:
-            err = f"  {a.error_class}: {a.error}" if a.error_class else ""
-            lines.append(f"  #{a.number} {a.outcome or 'running'} on {a.worker} "
+            err = f"  {a.error_class}: {shown(a.error or '')}" if a.error_class else ""
+            lines.append(f"  #{a.number} {a.outcome or 'running'} on {shown(a.worker or '-')} "
                          f"started {_fmt(a.started_at)} finished {_fmt(a.finished_at)}{err}")
     if row.last_error:
-        lines.append(f"last error ({row.error_class}): {row.last_error}")
+        lines.append(f"last error ({row.error_class}): {shown(row.last_error)}")
     if audits:
         lines.append("audit")
         for a in audits:
-            lines.append(f"  {_fmt(a.at)} {a.action} by {a.operator}: {a.reason}")
+            lines.append(f"  {_fmt(a.at)} {shown(a.action)} by {shown(a.operator)}: "
+                         f"{shown(a.reason)}")
     return "\n".join(lines)

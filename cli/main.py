@@ -11,49 +11,19 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Callable
-from functools import wraps
-from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import click
 from sqlalchemy.orm import Session
 
 from duebox import Duebox, DueboxError, migrate
-from duebox.db import db_errors
 from duebox.ids import parse_job_id
 from duebox.states import JobState
+from duebox.values import shown
 
 from .dlq_cmd import register as register_dlq
 from .loading import load_app
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _errors_as_messages(fn: F) -> F:
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except DueboxError as exc:
-            raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
-
-    return wrapper  # type: ignore[return-value]
-
-
-def app_options(fn: F) -> F:
-    """--app, --database-url and --broker-url, shared by every command."""
-    fn = click.option("--broker-url", envvar="DUEBOX_BROKER_URL", default=None,
-                      help="Broker URL (sql://, redis://, amqp://, ...). "
-                           "[env DUEBOX_BROKER_URL]")(fn)
-    fn = click.option("--database-url", envvar="DUEBOX_DATABASE_URL", default=None,
-                      help="SQLAlchemy URL of the database holding the outbox. "
-                           "[env DUEBOX_DATABASE_URL]")(fn)
-    fn = click.option("--app", "app_spec", envvar="DUEBOX_APP", default=None,
-                      metavar="MODULE:ATTR",
-                      help="Your duebox.Duebox instance, e.g. myproject.jobs:app. "
-                           "[env DUEBOX_APP]")(fn)
-    return _errors_as_messages(fn)
+from .options import TEXT, F, app_options, errors_as_messages, operator_options
 
 
 @click.group(context_settings={"auto_envvar_prefix": "DUEBOX", "show_default": True})
@@ -174,7 +144,7 @@ def jobs() -> None:
 @app_options
 @click.option("--state", default=None, help="Only jobs in this state.",
               type=click.Choice([s.value for s in JobState], case_sensitive=False))
-@click.option("--queue", default=None, help="Only jobs of this queue.")
+@click.option("--queue", default=None, type=TEXT, help="Only jobs of this queue.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
 def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | None,
               state: str | None, queue: str | None, limit: int) -> None:
@@ -186,8 +156,8 @@ def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | 
     click.echo(f"{'id':<36}  {'state':<11} {'due (UTC)':<23} {'task':<20} att ver key")
     for r in rows:
         due = r.due_at.isoformat(timespec="milliseconds")[:23]
-        click.echo(f"{r.id!s:<36}  {r.state:<11} {due:<23} {r.task:<20} {r.attempt:>3} "
-                   f"{r.version:>3} {r.key or ''}")
+        click.echo(f"{r.id!s:<36}  {r.state:<11} {due:<23} {shown(r.task):<20} {r.attempt:>3} "
+                   f"{r.version:>3} {shown(r.key or '')}")
 
 
 @jobs.command("show")
@@ -206,15 +176,13 @@ def jobs_show(app_spec: str | None, database_url: str | None, broker_url: str | 
 @jobs.command("cancel")
 @app_options
 @click.argument("job_id")
-@click.option("--operator", envvar="DUEBOX_OPERATOR", required=True,
-              help="Who cancels (recorded in the audit table). [env DUEBOX_OPERATOR]")
-@click.option("--reason", required=True, help="Why (recorded in the audit table).")
+@operator_options
 def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str | None,
                 job_id: str, operator: str, reason: str) -> None:
     """Cancel a job; a message already in a broker for it will be discarded."""
     app = load_app(app_spec, database_url, broker_url)
     jid = parse_job_id(job_id, "JOB_ID")
-    with db_errors("jobs cancel"), Session(app.engine) as session, session.begin():
+    with Session(app.engine) as session, session.begin():
         done = app.cancel(session, jid, operator=operator, reason=reason)
     click.echo(f"job {jid}: {'cancelled' if done else 'already finished, nothing to cancel'}")
 
@@ -242,9 +210,8 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
     app = load_app(app_spec, database_url, broker_url)
     shown = 0
     while True:
-        with db_errors("status"):
-            report = build_report(app.engine, app.clock.now(), window=window,
-                                  max_due_age=max_due_age)
+        report = build_report(app.engine, app.clock.now(), window=window,
+                              max_due_age=max_due_age)
         if watch is not None and not as_json:
             click.clear()
         click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
@@ -267,7 +234,7 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
               help="Delays are spread evenly over 0..SPREAD seconds.")
 @click.option("--cancels", default=10, show_default=True, type=click.IntRange(0, 1000),
               help="How many of the jobs to cancel before they are due.")
-@_errors_as_messages
+@errors_as_messages
 def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels: int) -> None:
     """Schedule jobs, run a relay and a worker, and report lateness and duplicates."""
     from .demo import run_demo
@@ -294,7 +261,7 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
                "`duebox dashboard`.")
 
 
-register_dlq(cli, app_options)
+register_dlq(cli)
 
 
 def _redact(url: str) -> str:

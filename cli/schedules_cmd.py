@@ -19,11 +19,14 @@ from duebox.schedules import (
     DEFAULT_OVERLAP,
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
+    DeleteResult,
     ScheduleInfo,
 )
+from duebox.values import shown
 
 from .loading import load_app
-from .main import app_options, cli
+from .main import cli
+from .options import app_options, operator_options
 
 
 def _local(at: datetime, zone: tzinfo) -> str:
@@ -92,7 +95,7 @@ def schedules_add(app_spec: str | None, database_url: str | None, broker_url: st
         )
         info = app.schedules.get(session, str(sid))
     assert isinstance(info, ScheduleInfo)
-    click.echo(f"schedule {name} {sid} added: {info.cron!r} in {info.timezone}")
+    click.echo(f"schedule {shown(name)} {sid} added: {info.cron!r} in {info.timezone}")
     _echo_next(app.schedules.next_fires(info, 3), info)
 
 
@@ -111,7 +114,7 @@ def schedules_list(app_spec: str | None, database_url: str | None,
     click.echo(f"{'name':<24} {'cron':<18} {'zone':<20} {'next fire (UTC)':<21} {'state':<7} id")
     for i in infos:
         nxt = _utc(i.next_fire_at) if i.next_fire_at and not i.paused else "-"
-        click.echo(f"{i.name:<24} {i.cron:<18} {i.timezone:<20} {nxt:<21} "
+        click.echo(f"{shown(i.name):<24} {i.cron:<18} {i.timezone:<20} {nxt:<21} "
                    f"{'paused' if i.paused else 'active':<7} {i.id}")
 
 
@@ -132,9 +135,9 @@ def schedules_show(app_spec: str | None, database_url: str | None, broker_url: s
     zone = load_zone(info.timezone)
     last = _utc(info.last_fire_at) if info.last_fire_at else "-"
     click.echo(
-        f"schedule {info.name} {info.id}\n"
+        f"schedule {shown(info.name)} {info.id}\n"
         f"  rule      {info.cron!r} in {info.timezone}\n"
-        f"  task      {info.task} on queue {info.queue}, priority {info.priority}, "
+        f"  task      {shown(info.task)} on queue {shown(info.queue)}, priority {info.priority}, "
         f"max attempts {info.max_attempts}\n"
         f"  payload   {json.dumps(info.payload)}\n"
         f"  policies  misfire {info.misfire}, overlap {info.overlap}, gap {info.gap}, "
@@ -156,40 +159,53 @@ def schedules_show(app_spec: str | None, database_url: str | None, broker_url: s
 @schedules.command("pause")
 @app_options
 @click.argument("schedule")
+@operator_options
 def schedules_pause(app_spec: str | None, database_url: str | None, broker_url: str | None,
-                    schedule: str) -> None:
-    """Stop generating occurrences."""
+                    schedule: str, operator: str, reason: str) -> None:
+    """Stop generating occurrences (those already generated still run)."""
     app = load_app(app_spec, database_url, broker_url)
     with Session(app.engine) as session, session.begin():
-        changed = app.schedules.pause(session, schedule)
-    click.echo(f"schedule {schedule}: {'paused' if changed else 'was already paused'}")
+        changed = app.schedules.pause(session, schedule, operator=operator, reason=reason)
+    click.echo(f"schedule {shown(schedule)}: {'paused' if changed else 'was already paused'}")
 
 
 @schedules.command("resume")
 @app_options
 @click.argument("schedule")
+@operator_options
 def schedules_resume(app_spec: str | None, database_url: str | None, broker_url: str | None,
-                     schedule: str) -> None:
+                     schedule: str, operator: str, reason: str) -> None:
     """Generate again from the next fire time after now (nothing from the pause)."""
     app = load_app(app_spec, database_url, broker_url)
     with Session(app.engine) as session, session.begin():
-        nxt = app.schedules.resume(session, schedule)
-    shown = _utc(nxt) if isinstance(nxt, datetime) else "none"
-    click.echo(f"schedule {schedule}: active, next fire {shown}")
+        nxt = app.schedules.resume(session, schedule, operator=operator, reason=reason)
+    shown_next = _utc(nxt) if isinstance(nxt, datetime) else "none"
+    click.echo(f"schedule {shown(schedule)}: active, next fire {shown_next}")
 
 
 @schedules.command("delete")
 @app_options
 @click.argument("schedule")
-@click.option("--keep-pending", is_flag=True,
-              help="Leave occurrences that were already generated to run.")
+@operator_options
+@click.option("--cancel-pending/--keep-pending", default=False, show_default=True,
+              help="Cancel the occurrences it already generated that have not started "
+                   "(each gets an audit row), or keep them: they still run.")
 def schedules_delete(app_spec: str | None, database_url: str | None, broker_url: str | None,
-                     schedule: str, keep_pending: bool) -> None:
-    """Delete a schedule and cancel its occurrences that have not started."""
+                     schedule: str, operator: str, reason: str, cancel_pending: bool) -> None:
+    """Delete a schedule; say what happens to its pending occurrences."""
     app = load_app(app_spec, database_url, broker_url)
     with Session(app.engine) as session, session.begin():
-        cancelled = app.schedules.delete(session, schedule, cancel_pending=not keep_pending)
-    click.echo(f"schedule {schedule}: deleted; {cancelled} pending occurrences cancelled")
+        done = app.schedules.delete(session, schedule, cancel_pending=cancel_pending,
+                                    operator=operator, reason=reason)
+    assert isinstance(done, DeleteResult)
+    if cancel_pending:
+        what = f"{done.cancelled} pending occurrence(s) cancelled"
+    elif done.kept:
+        what = (f"{done.kept} pending occurrence(s) kept: they still run (`duebox jobs cancel` "
+                "stops one; --cancel-pending cancels them with the schedule)")
+    else:
+        what = "no pending occurrences"
+    click.echo(f"schedule {shown(schedule)}: deleted; {what}")
 
 
 @schedules.command("next")
@@ -216,7 +232,7 @@ def schedules_next(app_spec: str | None, database_url: str | None, broker_url: s
                                      param_hint="--after") from None
         if start.tzinfo is None:
             start = start.replace(tzinfo=load_zone(info.timezone))
-    click.echo(f"schedule {info.name}: {info.cron!r} in {info.timezone} "
+    click.echo(f"schedule {shown(info.name)}: {info.cron!r} in {info.timezone} "
                f"(gap {info.gap}, fold {info.fold}"
                + (f", +0..{info.jitter} s jitter" if info.jitter else "") + ")")
     _echo_next(app.schedules.next_fires(info, count, after=start), info)

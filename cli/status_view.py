@@ -18,6 +18,7 @@ from duebox.db import SQLITE_DEFERRED, db_errors
 from duebox.metrics import DEFAULT_COUNT_CAP, Group, read_snapshot, seconds
 from duebox.states import JobState
 from duebox.tables import job, lease, rate_bucket
+from duebox.values import shown
 
 # Jobs due this long before the window may still have started inside it; a
 # job started later than this after its due time is outside the sample (its
@@ -182,7 +183,7 @@ def _table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     lines = [head]
     for name, v in rows.items():
         lines.append(
-            f"{(name or '(none)')[:20]:<20} {v['due_backlog']:>8} "
+            f"{shown(name or '(none)')[:20]:<20} {v['due_backlog']:>8} "
             f"{v['oldest_due_age_s']:>7.1f}s {v['overdue']:>8} {v['in_flight']:>8} "
             f"{v['dlq']:>6} {v['started_recently']:>8} {_ms(v['lateness_p50_s']):>9} "
             f"{_ms(v['lateness_p99_s']):>9}")
@@ -194,8 +195,8 @@ def _table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
 def render(report: dict[str, Any]) -> str:
     verdict = "HEALTHY" if report["healthy"] else "UNHEALTHY"
     lines = [f"duebox status at {report['at']}: {verdict}"]
-    lines += [f"  ! {p}" for p in report["problems"]]
-    lines += [f"  ~ {w}" for w in report["warnings"]]
+    lines += [f"  ! {shown(p)}" for p in report["problems"]]
+    lines += [f"  ~ {shown(w)}" for w in report["warnings"]]
     states = report["states"]
     lines.append("jobs by state: " + ("  ".join(f"{k} {v}" for k, v in sorted(states.items()))
                                       or "none")
@@ -215,7 +216,7 @@ def render(report: dict[str, Any]) -> str:
             age = p["heartbeat_age_s"]
             info = p["info"]
             owned = p.get("shards")
-            lines.append(f"  {p['name']}  heartbeat {'-' if age is None else f'{age:.1f}s'} "
+            lines.append(f"  {shown(p['name'])}  heartbeat {'-' if age is None else f'{age:.1f}s'} "
                          f"ago  backend {info.get('backend', '?')}  pid {info.get('pid', '?')}"
                          + (f"  shards {','.join(owned)}" if owned else ""))
     if report.get("shards"):

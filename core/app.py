@@ -19,15 +19,12 @@ from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
 from .producer import (
     NewJob,
     Target,
-    aware,
     cancel_steps,
-    check_optional_str,
     check_priority,
     check_size,
     copy_capable,
     dialect_of,
     drive,
-    encode_json,
     insert_many_steps,
     insert_steps,
     json_size,
@@ -37,7 +34,8 @@ from .producer import (
 from .registry import broker_class, check_broker_url, message_limit
 from .schedules import Schedules
 from .targets import AsyncTarget, SyncTarget
-from .tasks import Handler, RetryPolicy, Task, validate_task_options
+from .tasks import Handler, RetryPolicy, Task, check_task_seconds, validate_task_options
+from .values import aware, check_json, check_optional_str, encode_json
 
 if TYPE_CHECKING:
     from duebox.brokers.base import Broker
@@ -156,12 +154,8 @@ class Duebox:
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
-        if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
-            raise ConfigurationError(f"timeout: must be a number of seconds > 0 (got {timeout!r})")
-        if max_lateness is not None and (not isinstance(max_lateness, int | float)
-                                         or isinstance(max_lateness, bool) or max_lateness <= 0):
-            raise ConfigurationError(
-                f"max_lateness: must be a number of seconds > 0 (got {max_lateness!r})")
+        check_task_seconds(timeout=timeout, max_lateness=max_lateness,
+                           lease_seconds=lease_seconds)
         if not isinstance(group_commit, bool):
             raise ConfigurationError(f"group_commit: must be True or False (got {group_commit!r})")
         classifier = (classify if isinstance(classify, Classifier)
@@ -215,17 +209,23 @@ class Duebox:
         expires_at: datetime | None = None,
         headers: dict[str, Any] | None = None,
     ) -> NewJob:
-        """Validate one job's arguments; raises :class:`ValidationError` naming the field."""
+        """Validate one job's arguments; raises :class:`ValidationError` naming
+        the field, before anything is written (duebox.values has the rules).
+
+        ``at`` is an absolute instant (timezone-aware; compared in UTC).
+        ``delay`` counts from the moment the job is written, on the app's
+        clock: with the default :class:`DatabaseClock`, the database server's.
+        """
         task = self.get_task(name)
-        due_at = resolve_due(self.clock.now(), at, delay)
-        payload_json = encode_json(payload)
-        size = json_size(payload_json)
+        due_at, span = resolve_due(self.clock.now(), at, delay)
         check_optional_str("key", key, 400)
         check_optional_str("tenant", tenant, 200)
         check_priority(priority)
         expires = aware("expires_at", expires_at) if expires_at is not None else None
         if expires is not None and expires <= due_at:
             raise ValidationError("expires_at", "must be later than the job's due time", expires_at)
+        payload_json = encode_json(payload)
+        size = json_size(payload_json)
         headers_json = None
         if headers is not None:
             if not isinstance(headers, dict):
@@ -233,11 +233,14 @@ class Duebox:
             headers_json = encode_json(headers, "headers")
             size += json_size(headers_json)
         check_size(size, *self.payload_limit())
+        check_json(payload, "payload")
+        if headers is not None:
+            check_json(headers, "headers")
         return NewJob(
             task=name, queue=task.queue, payload=payload, due_at=due_at,
             max_attempts=task.max_attempts, key=key, priority=priority, tenant=tenant,
             expires_at=expires, headers=headers, payload_json=payload_json,
-            headers_json=headers_json,
+            headers_json=headers_json, delay=span,
         )
 
     # The producer API returns its result for a sync target (Session,
@@ -284,7 +287,8 @@ class Duebox:
             name, payload, at=at, delay=delay, key=key, priority=priority, tenant=tenant,
             expires_at=expires_at, headers=headers,
         )
-        return drive(session, insert_steps(new, dialect, self.clock.now(), self.settings.notify))
+        return drive(session, insert_steps(new, dialect, self.clock.now(), self.settings.notify,
+                                           self.follows_database))
 
     @overload
     def schedule_many(self, session: SyncTarget, jobs: list[NewJob]) -> list[uuid.UUID]: ...
@@ -305,7 +309,8 @@ class Duebox:
                 raise ValidationError(f"jobs[{i}].key", "keys need app.schedule(), one by one")
         copy = dialect == "postgresql" and copy_capable(session)
         return drive(session, insert_many_steps(jobs, dialect, self.clock.now(),
-                                                self.settings.notify, copy))
+                                                self.settings.notify, copy,
+                                                self.follows_database))
 
     @overload
     def cancel(self, session: SyncTarget, job_id: uuid.UUID | str, *,
@@ -349,6 +354,13 @@ class Duebox:
         dialect = dialect_of(session)
         if at is None and delay is None:
             raise ValidationError("at/delay", "give one of at= and delay=")
-        due_at = resolve_due(self.clock.now(), at, delay)
-        return drive(session, reschedule_steps(job_id, due_at, self.clock.now(),
-                                               self.settings.notify, dialect))
+        due_at, span = resolve_due(self.clock.now(), at, delay)
+        return drive(session, reschedule_steps(job_id, due_at, span, self.clock.now(),
+                                               self.settings.notify, dialect,
+                                               self.follows_database))
+
+    @property
+    def follows_database(self) -> bool:
+        """Whether the app's clock is the database's (the default), so that
+        delays are better counted by the database itself."""
+        return isinstance(self.clock, DatabaseClock)

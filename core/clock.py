@@ -10,9 +10,19 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from sqlalchemy import TextClause, text
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    DateTime,
+    Interval,
+    TextClause,
+    bindparam,
+    func,
+    literal_column,
+    text,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -101,15 +111,14 @@ class DatabaseClock:
     def observe(self, before: datetime, server: datetime, after: datetime) -> None:
         """Record one reading: ``server`` was read between the local instants
         ``before`` and ``after``."""
-        if server.tzinfo is None:  # a server returning naive UTC
-            server = server.replace(tzinfo=UTC)
+        server = as_utc(server)
         rtt = (after - before).total_seconds()
         self._readings = [*self._readings[-(self._KEEP - 1):], (rtt, server - after)]
         self._offset = min(self._readings, key=lambda r: r[0])[1]
 
     def sync(self, conn: Connection) -> None:
         """Read the server's clock over ``conn``."""
-        server_now = _server_now_sql(conn)
+        server_now = server_now_sql(conn.dialect.name)
         if server_now is None:
             return
         before = self.base.now()
@@ -118,14 +127,43 @@ class DatabaseClock:
         self.observe(before, server, after)
 
 
-def _server_now_sql(conn: Connection) -> TextClause | None:
-    name = conn.dialect.name
-    if name == "postgresql":
+def as_utc(server: datetime) -> datetime:
+    """A server's reading as an aware instant (MySQL/MariaDB return naive UTC)."""
+    return server.replace(tzinfo=UTC) if server.tzinfo is None else server
+
+
+def server_now_sql(dialect: str) -> TextClause | None:
+    """The query for the database server's time now, or None (SQLite has no
+    server: its clock is the machine's)."""
+    if dialect == "postgresql":
         # clock_timestamp(), not now(): now() is the transaction's start.
         return text("SELECT clock_timestamp()")
-    if name in ("mysql", "mariadb"):
+    if dialect in ("mysql", "mariadb"):
         return text("SELECT UTC_TIMESTAMP(6)")
     return None
+
+
+def server_time_after(dialect: str, delay: timedelta
+                      ) -> tuple[ColumnElement[datetime], dict[str, Any]] | None:
+    """The server's time plus ``delay``: an expression the database evaluates
+    in the statement that writes it (exact to the microsecond) and the
+    parameters to execute it with; None without a server."""
+    if dialect == "postgresql":
+        return _PG_DUE, {"duebox_delay": delay}
+    if dialect in ("mysql", "mariadb"):
+        return _MY_DUE, {"duebox_delay_us": delay // timedelta(microseconds=1)}
+    return None
+
+
+# Built once, the delay a parameter: building an expression per job costs
+# more than the rest of an insert's Python work.
+_PG_DUE: ColumnElement[datetime] = (
+    func.clock_timestamp(type_=DateTime(timezone=True))
+    + bindparam("duebox_delay", type_=Interval()))
+# UTC_TIMESTAMP(6) is the statement's start, after the caller's call.
+_MY_DUE: ColumnElement[datetime] = func.timestampadd(
+    literal_column("MICROSECOND"), bindparam("duebox_delay_us", type_=BigInteger()),
+    literal_column("UTC_TIMESTAMP(6)"), type_=DateTime())
 
 
 def follows_real_time(clock: Clock) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError
+from .values import MAX_SPAN
 
 if TYPE_CHECKING:
     from .fair_claim import DispatchPolicy
@@ -70,12 +71,12 @@ class Settings:
         for name in ("poll_interval", "lease_seconds", "redeliver_after", "catchup_rate",
                      "catchup_after", "misfire_grace"):
             value = getattr(self, name)
-            if not _finite(value) or value <= 0:
-                raise ConfigurationError(f"{name}: must be a number > 0 (got {value!r})")
-        if not _finite(self.clock_skew_margin) or self.clock_skew_margin < 0:
-            raise ConfigurationError(
-                f"clock_skew_margin: must be a number >= 0 (got {self.clock_skew_margin!r})"
-            )
+            if not _finite(value) or not 0 < value <= _MOST:
+                raise ConfigurationError(
+                    f"{name}: must be a number > 0 and at most {_MOST:.0f} (got {value!r})")
+        if not _finite(self.clock_skew_margin) or not 0 <= self.clock_skew_margin <= _MOST:
+            raise ConfigurationError(f"clock_skew_margin: must be a number from 0 to {_MOST:.0f} "
+                                     f"(got {self.clock_skew_margin!r})")
         for name in ("database_url", "broker_url"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name}: must be a non-empty URL string")
@@ -116,10 +117,16 @@ def _convert(name: str, type_name: object, raw: str) -> Any:
     return raw
 
 
+# Durations are added to instants: at most 100 years (duebox.values.MAX_SPAN),
+# so no instant plus one overflows.
+_MOST = MAX_SPAN.total_seconds()
+
+
 def _finite(value: object) -> bool:
     # NaN and infinity pass every `<= 0` test; a bool is an int by accident.
+    # math.isfinite() of an int beyond any float raises OverflowError.
     return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value))
+            and (isinstance(value, int) or math.isfinite(value)))
 
 
 def _positive_int(name: str, value: object, upper: int) -> None:

@@ -232,15 +232,24 @@ def _sqlite_engine(parsed: URL, **kw: Any) -> Engine:
 
 @contextlib.contextmanager
 def db_errors(action: str) -> Iterator[None]:
-    """Convert a driver's connection failure into :class:`DatabaseError`."""
+    """Convert a driver's error that is about the database, not the statement,
+    into :class:`DatabaseError` saying what to do: a missing privilege, a
+    missing table, an unreachable server."""
     try:
         yield
     except sa_exc.DBAPIError as exc:
         # First: MySQL reports a missing privilege as an OperationalError.
         if _permission_denied(exc.orig):
             raise PermissionDeniedError(action, _first_line(exc.orig)) from exc
+        if _schema_missing(exc.orig):
+            raise DatabaseError(
+                f"{action}: duebox's tables are missing or older than this duebox "
+                f"({_first_line(exc.orig)}): run `duebox db upgrade` against this database, "
+                "or check the database URL") from exc
         if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError):
-            raise DatabaseError(f"{action}: database unavailable: {exc.orig}") from exc
+            raise DatabaseError(
+                f"{action}: database unavailable: {_first_line(exc.orig)}; check that the "
+                "server is running and that the database URL points at it") from exc
         if exc.connection_invalidated:
             raise DatabaseError(f"{action}: database connection lost: {exc.orig}") from exc
         raise
@@ -250,6 +259,11 @@ def db_errors(action: str) -> Iterator[None]:
 # for a table or column privilege a user does not have.
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
 _MYSQL_DENIED = frozenset({1142, 1143, 1044})
+# A table or column that is not there: PostgreSQL's undefined_table and
+# undefined_column, MySQL's "doesn't exist" and "unknown column", SQLite's words.
+_PG_UNDEFINED = frozenset({"42P01", "42703"})
+_MYSQL_UNDEFINED = frozenset({1146, 1054})
+_SQLITE_UNDEFINED = ("no such table", "no such column")
 
 
 def _permission_denied(orig: object) -> bool:
@@ -257,6 +271,15 @@ def _permission_denied(orig: object) -> bool:
         return True
     args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
     return bool(args) and isinstance(args[0], int) and args[0] in _MYSQL_DENIED
+
+
+def _schema_missing(orig: object) -> bool:
+    if getattr(orig, "sqlstate", None) in _PG_UNDEFINED:
+        return True
+    args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+    if bool(args) and isinstance(args[0], int) and args[0] in _MYSQL_UNDEFINED:
+        return True
+    return type(orig).__module__ == "sqlite3" and str(orig).startswith(_SQLITE_UNDEFINED)
 
 
 def _first_line(orig: object) -> str:

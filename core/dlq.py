@@ -23,9 +23,11 @@ from sqlalchemy import Connection, delete, exists, select, update
 
 from .db import db_errors
 from .errors import ValidationError
+from .failures import FailureClass
 from .ids import uuid7
 from .states import JobState
 from .tables import attempt, audit, job
+from .values import check_printable
 
 if TYPE_CHECKING:
     from .app import Duebox
@@ -94,18 +96,39 @@ _REASON_MAX = 2000
 
 
 def check_operator(operator: object, reason: object) -> tuple[str, str]:
-    """Who and why, both required for an audited action; refused before any write."""
+    """Who and why, both required for an audited action; refused before any
+    write.  Both are shown to operators one line per action (``duebox jobs
+    show``, the dashboard), so neither may carry a newline, ESC or another
+    control or formatting character that could forge or hide a line."""
     if not isinstance(operator, str) or not operator.strip():
         raise ValidationError("operator", "an operator identity is required for this action",
                               operator)
-    if len(operator.strip()) > _OPERATOR_MAX or not operator.strip().isprintable():
-        raise ValidationError("operator", f"must be at most {_OPERATOR_MAX} printable "
-                              "characters", operator)
+    if len(operator.strip()) > _OPERATOR_MAX:
+        raise ValidationError("operator", f"must be at most {_OPERATOR_MAX} characters",
+                              operator)
     if not isinstance(reason, str) or not reason.strip():
         raise ValidationError("reason", "a reason is required for this action", reason)
     if len(reason.strip()) > _REASON_MAX:
         raise ValidationError("reason", f"must be at most {_REASON_MAX} characters", reason)
-    return operator.strip(), reason.strip()
+    return check_printable("operator", operator.strip()), check_printable("reason", reason.strip())
+
+
+# Replayed jobs are due 1/rate apart: slower than one per 1,000 s and a big
+# replay's last due time would leave the calendar (duebox.values.LATEST).
+MIN_RATE = 0.001
+
+ERROR_CLASSES = (*(str(c) for c in FailureClass), "lost", "expired")
+
+
+def check_error_class(error_class: object) -> str | None:
+    """A filter on ``error_class`` must name one that exists: a typo would
+    otherwise match nothing and report success ("replayed 0")."""
+    if error_class is None:
+        return None
+    if error_class not in ERROR_CLASSES:
+        raise ValidationError("error_class", f"must be one of {', '.join(ERROR_CLASSES)}",
+                              error_class)
+    return str(error_class)
 
 
 def _quarantined() -> Any:
@@ -182,9 +205,16 @@ def replay(
     Raises :class:`ValidationError` without an operator and a reason, and
     :class:`PermissionDeniedError` when the database role may not do it."""
     operator, reason = check_operator(operator, reason)
-    if (not isinstance(rate, int | float) or isinstance(rate, bool) or not math.isfinite(rate)
-            or not rate > 0):
-        raise ValidationError("rate", "must be a finite number of jobs per second > 0", rate)
+    error_class = check_error_class(error_class)
+    try:
+        per_second = float(rate) if not isinstance(rate, bool) else math.nan
+    except (TypeError, ValueError, OverflowError):  # not a number, or an int past any float
+        per_second = math.nan
+    if not isinstance(rate, int | float) or not math.isfinite(per_second) or not (
+            per_second >= MIN_RATE):
+        raise ValidationError("rate", f"must be a finite number of jobs per second >= {MIN_RATE}",
+                              rate)
+    rate = per_second
     with db_errors("dlq replay"):
         return _replay(app, operator, reason, ids, error_class, task, rate, force, progress)
 
@@ -259,6 +289,7 @@ def purge(
 ) -> int:
     """Delete dead jobs and their attempts; one audit row per job stays."""
     operator, reason = check_operator(operator, reason)
+    error_class = check_error_class(error_class)
     with db_errors("dlq purge"):
         return _purge(app, operator, reason, ids, error_class, task, progress)
 

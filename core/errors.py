@@ -96,5 +96,11 @@ class LeaseLostError(JobStateError):
 
 
 def _short_repr(value: object, limit: int = 80) -> str:
-    text = repr(value)
+    if isinstance(value, int) and value.bit_length() > 4 * limit:
+        # repr() of an int of more than 4,300 digits raises ValueError.
+        return f"an int of about {value.bit_length() * 0.30103:.0f} digits"
+    try:
+        text = repr(value)
+    except Exception:  # a caller's object whose repr() fails: say what it is
+        return f"a {type(value).__name__}"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -9,12 +9,10 @@ synchronously or with ``await``.
 
 from __future__ import annotations
 
-import json
-import math
 import uuid
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable, Generator, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, func, select, update
@@ -22,13 +20,15 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ColumnElement, Executable
 
+from .clock import as_utc, server_now_sql, server_time_after
 from .db import NOTIFY_CHANNEL, insert_if_absent
 from .errors import JobNotFoundError, JobStateError, ValidationError
 from .ids import parse_job_id, uuid7, uuid7_many
 from .states import ACTIVE_STATES, RESCHEDULABLE_STATES, JobState
 from .tables import audit, job, shard_of
+from .values import LATEST, aware, check_json, encode_json, seconds_of
 
 T = TypeVar("T")
 
@@ -42,9 +42,9 @@ class Copy:
     rows: list[tuple[Any, ...]]
 
 
-# A step is a statement, a statement and its parameter sets (an executemany),
-# or a COPY.
-Step = Executable | tuple[Executable, list[dict[str, Any]]] | Copy
+# A step is a statement, a statement and its parameters (a list of sets: an
+# executemany), or a COPY.
+Step = Executable | tuple[Executable, list[dict[str, Any]] | dict[str, Any]] | Copy
 Steps = Generator[Step, CursorResult[Any], T]
 
 _INT32 = 2**31 - 1
@@ -70,11 +70,22 @@ class NewJob:
     # COPY does not encode it again.  None: encode when needed.
     payload_json: str | None = field(default=None, compare=False, repr=False)
     headers_json: str | None = field(default=None, compare=False, repr=False)
+    # How long after it is written the job is due (delay=; zero without at=
+    # or delay=), or None for at=.  ``due_at`` is then an estimate on the
+    # app's clock; with the default DatabaseClock the database counts the
+    # delay from its own time when it writes the row (insert_steps).
+    delay: timedelta | None = None
 
-    def row(self, job_id: uuid.UUID, now: datetime) -> dict[str, Any]:
+    def due_from(self, base: datetime | None) -> datetime:
+        """The due time counted from ``base``, the database's time at the
+        write; without one (or for at=), ``due_at``."""
+        return self.due_at if base is None or self.delay is None else base + self.delay
+
+    def row(self, job_id: uuid.UUID, now: datetime, base: datetime | None = None
+            ) -> dict[str, Any]:
         return {
             "id": job_id, "task": self.task, "queue": self.queue, "payload": self.payload,
-            "headers": self.headers, "due_at": self.due_at, "state": JobState.SCHEDULED,
+            "headers": self.headers, "due_at": self.due_from(base), "state": JobState.SCHEDULED,
             "version": 1, "attempt": 0, "max_attempts": self.max_attempts,
             "priority": self.priority, "tenant": self.tenant, "key": self.key,
             "schedule_id": self.schedule_id, "nominal_fire_at": self.nominal_fire_at,
@@ -85,7 +96,8 @@ class NewJob:
             "shard": shard_of(job_id),
         }
 
-    def copy_row(self, job_id: uuid.UUID, now: datetime) -> tuple[Any, ...]:
+    def copy_row(self, job_id: uuid.UUID, now: datetime, base: datetime | None = None
+                 ) -> tuple[Any, ...]:
         """The row in COPY_COLUMNS order.  JSON goes as text: a Python None
         is the JSON ``null`` there, as SQLAlchemy's JSON type stores it."""
         payload = self.payload_json
@@ -94,7 +106,8 @@ class NewJob:
         headers = self.headers_json
         if headers is None:
             headers = encode_json(self.headers, "headers")
-        return (job_id, self.task, self.queue, payload, headers, self.due_at, _SCHEDULED, 1, 0,
+        return (job_id, self.task, self.queue, payload, headers, self.due_from(base),
+                _SCHEDULED, 1, 0,
                 self.max_attempts, self.priority, self.tenant, self.key, self.schedule_id,
                 self.nominal_fire_at, self.expires_at, 0, now, now, shard_of(job_id))
 
@@ -111,51 +124,25 @@ _COPY_JOBS = f"COPY {job.name} ({', '.join(COPY_COLUMNS)}) FROM STDIN"
 # --- validation at the boundary --------------------------------------------
 
 
-def aware(field: str, value: object) -> datetime:
-    if not isinstance(value, datetime):
-        raise ValidationError(field, "must be a timezone-aware datetime", value)
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ValidationError(
-            field, "must be timezone-aware (naive datetimes are ambiguous; use tzinfo=UTC)",
-            value,
-        )
-    try:
-        return value.astimezone(UTC)
-    except OverflowError:
-        raise ValidationError(field, "must be within years 1 to 9999 in UTC", value) from None
+_NO_DELAY = timedelta(0)
 
 
-def resolve_due(now: datetime, at: object, delay: object) -> datetime:
+def resolve_due(now: datetime, at: object, delay: object) -> tuple[datetime, timedelta | None]:
+    """The due time (``now`` plus ``delay``, or ``at``) and the delay it was
+    counted with: None for ``at=``, whose instant is absolute.  With a
+    delay, ``now`` is only an estimate for checks; the database's own clock
+    may count the delay when the row is written (:func:`insert_steps`)."""
     if at is not None and delay is not None:
         raise ValidationError("at/delay", "give at most one of at= and delay=")
     if at is not None:
-        return aware("at", at)
+        return aware("at", at), None
     if delay is None:
-        return now
-    if isinstance(delay, timedelta):
-        seconds = delay.total_seconds()
-    elif isinstance(delay, int | float) and not isinstance(delay, bool):
-        seconds = float(delay)
-    else:
-        raise ValidationError("delay", "must be a timedelta or a number of seconds", delay)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValidationError("delay", "must be a finite number of seconds >= 0", delay)
-    try:
-        return now + timedelta(seconds=seconds)
-    except OverflowError:
-        raise ValidationError("delay", "must end before the year 9999", delay) from None
-
-
-# One encoder: json.dumps() with options builds a new one on every call.
-_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
-
-
-def encode_json(payload: object, field: str = "payload") -> str:
-    """The JSON text of ``payload``; refuses what JSON cannot carry faithfully."""
-    try:
-        return _ENCODER.encode(payload)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ValidationError(field, f"must be JSON-serialisable ({exc})") from None
+        return now, _NO_DELAY
+    seconds = seconds_of("delay", delay)
+    if seconds >= (LATEST - now).total_seconds():
+        raise ValidationError("delay", f"must end before {LATEST:%Y-%m-%d} UTC", delay)
+    span = delay if isinstance(delay, timedelta) else timedelta(seconds=seconds)
+    return now + span, span
 
 
 def json_size(text: str) -> int:
@@ -164,9 +151,13 @@ def json_size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode())
 
 
-def check_payload(payload: object, field: str = "payload") -> int:
-    """Refuse what JSON cannot carry faithfully; return the encoded size in bytes."""
-    return json_size(encode_json(payload, field))
+def check_payload(payload: object, limit: tuple[int, str], field: str = "payload") -> str:
+    """The JSON text of ``payload`` once it is known to fit ``limit`` and to
+    come back equal (duebox.values); the caller stores that text."""
+    text = encode_json(payload, field)
+    check_size(json_size(text), *limit)
+    check_json(payload, field)
+    return text
 
 
 def check_size(size: int, limit: int, where: str) -> None:
@@ -176,12 +167,6 @@ def check_size(size: int, limit: int, where: str) -> None:
         raise ValidationError(
             "payload", f"payload and headers must encode to at most {limit} bytes of JSON "
             f"({where})", f"{size} bytes")
-
-
-def check_optional_str(field: str, value: object, limit: int) -> None:
-    if value is not None and (not isinstance(value, str) or not value or len(value) > limit):
-        raise ValidationError(field, f"must be a non-empty string of at most {limit} characters",
-                              value)
 
 
 def check_priority(value: object) -> int:
@@ -296,13 +281,22 @@ async def _copy_async(conn: Connection, step: Copy) -> None:
 
 
 def insert_steps(
-    new: NewJob, dialect: str, now: datetime, notify: bool
+    new: NewJob, dialect: str, now: datetime, notify: bool, server_clock: bool = False
 ) -> Steps[uuid.UUID]:
+    """Insert one job.  With ``server_clock`` its delay is counted by the
+    database, from its own time as it writes the row: no round trip more,
+    and a producer whose clock lags cannot make the job early."""
     job_id = uuid7()
+    row = new.row(job_id, now)
+    params: dict[str, Any] = {}
+    later = (server_time_after(dialect, new.delay) if server_clock and new.delay is not None
+             else None)
+    if later is not None:
+        row["due_at"], params = later
     if new.key is None:
-        yield job.insert().values(new.row(job_id, now))
+        yield job.insert().values(row), params
     else:
-        result = yield insert_if_absent(job, new.row(job_id, now), dialect, ["key"])
+        result = yield insert_if_absent(job, row, dialect, ["key"]), params
         if result.rowcount != 1:
             existing = yield select(job.c.id).where(job.c.key == new.key)
             return uuid.UUID(str(existing.scalar_one()))
@@ -312,34 +306,43 @@ def insert_steps(
 
 
 def insert_many_steps(
-    new_jobs: list[NewJob], dialect: str, now: datetime, notify: bool, copy: bool = False
+    new_jobs: list[NewJob], dialect: str, now: datetime, notify: bool, copy: bool = False,
+    server_clock: bool = False,
 ) -> Steps[list[uuid.UUID]]:
     """Insert many keyless jobs: with ``copy`` (PostgreSQL on psycopg 3) one
-    COPY, else one executemany."""
+    COPY, else one executemany.  With ``server_clock`` the delays count from
+    the database's time, read once first (a COPY carries values, not SQL)."""
     ids = uuid7_many(len(new_jobs))
     if ids:
+        base = None
+        sql = server_now_sql(dialect) if server_clock else None
+        if sql is not None and any(n.delay is not None for n in new_jobs):
+            base = as_utc((yield sql).scalar_one())
         if copy:
             # COPY skips SQLAlchemy's per-row bind processing and psycopg's
             # per-statement pipeline round: about 3x the rows per CPU second
             # of the executemany (bench/enqueue.py).
-            yield Copy(_COPY_JOBS, [n.copy_row(i, now)
+            yield Copy(_COPY_JOBS, [n.copy_row(i, now, base)
                                     for n, i in zip(new_jobs, ids, strict=True)])
         else:
             # A true executemany: one cached statement.  A multi-VALUES insert
             # would be compiled afresh for every call, with a bind per cell.
-            yield job.insert(), [n.row(i, now) for n, i in zip(new_jobs, ids, strict=True)]
+            yield job.insert(), [n.row(i, now, base) for n, i in zip(new_jobs, ids, strict=True)]
         if notify and dialect == "postgresql":
             yield select(func.pg_notify(NOTIFY_CHANNEL, ""))
     return ids
 
 
 def cancel_steps(
-    job_id: object, now: datetime, operator: str | None, reason: str | None
+    job_id: object, now: datetime, operator: str | None, reason: str | None,
+    states: Iterable[JobState] = ACTIVE_STATES, details: dict[str, Any] | None = None,
 ) -> Steps[bool]:
+    """Cancel the job if it is in one of ``states``; with an ``operator``,
+    an audit row in the same transaction."""
     jid = parse_job_id(job_id)
     result = yield (
         update(job)
-        .where(job.c.id == jid, job.c.state.in_(list(ACTIVE_STATES)))
+        .where(job.c.id == jid, job.c.state.in_(list(states)))
         .values(state=JobState.CANCELLED, version=job.c.version + 1, lease_owner=None,
                 lease_until=None, finished_at=now, updated_at=now)
     )
@@ -351,19 +354,27 @@ def cancel_steps(
     if operator is not None:
         yield audit.insert().values(
             id=uuid7(), at=now, operator=operator, action="cancel", job_id=jid,
-            reason=reason or "", details=None,
+            reason=reason or "", details=details,
         )
     return True
 
 
-def reschedule_steps(job_id: object, due_at: datetime, now: datetime, notify: bool,
-                     dialect: str) -> Steps[None]:
+def reschedule_steps(job_id: object, due_at: datetime, delay: timedelta | None, now: datetime,
+                     notify: bool, dialect: str, server_clock: bool) -> Steps[None]:
+    """Move the job to ``due_at``; with ``delay`` and ``server_clock``, to the
+    database's time plus ``delay`` (as insert_steps)."""
     jid = parse_job_id(job_id)
+    due: datetime | ColumnElement[datetime] = due_at
+    params: dict[str, Any] = {}
+    later = server_time_after(dialect, delay) if server_clock and delay is not None else None
+    if later is not None:
+        due, params = later
     result = yield (
         update(job)
         .where(job.c.id == jid, job.c.state.in_(list(RESCHEDULABLE_STATES)))
-        .values(state=JobState.SCHEDULED, due_at=due_at, version=job.c.version + 1,
-                lease_owner=None, lease_until=None, updated_at=now)
+        .values(state=JobState.SCHEDULED, due_at=due, version=job.c.version + 1,
+                lease_owner=None, lease_until=None, updated_at=now),
+        params,
     )
     if result.rowcount == 0:
         found = yield select(job.c.state).where(job.c.id == jid)

@@ -36,21 +36,22 @@ from .cron import (
     check_policy,
 )
 from .db import insert_if_absent
+from .dlq import check_operator
 from .errors import ValidationError
 from .ids import uuid7
 from .producer import (
     Steps,
     Target,
-    check_optional_str,
+    cancel_steps,
     check_payload,
     check_priority,
-    check_size,
     dialect_of,
     drive,
 )
 from .states import JobState
-from .tables import job, schedule
+from .tables import audit, job, schedule
 from .targets import AsyncTarget, SyncTarget
+from .values import check_optional_str, check_text, seconds_of
 
 if TYPE_CHECKING:
     from .app import Duebox
@@ -60,9 +61,12 @@ OVERLAP_POLICIES = ("allow", "skip", "queue")
 DEFAULT_MISFIRE = "fire_once"
 DEFAULT_OVERLAP = "allow"
 MAX_JITTER = 86_400
-# Occurrences that were generated but not yet handed to a worker; deleting a
-# schedule cancels these (a message already in a broker is then discarded by
-# the worker's version check).
+# expire_after is stored in a 32-bit column.
+MAX_EXPIRE_AFTER = 2**31 - 1
+# Occurrences that were generated but not yet handed to a worker.  Deleting a
+# schedule keeps them (like pausing it) unless asked to cancel them (a
+# message already in a broker is then discarded by the worker's version
+# check).
 PENDING_STATES = (JobState.SCHEDULED, JobState.DISPATCHING, JobState.ENQUEUED)
 
 
@@ -120,16 +124,11 @@ class ScheduleInfo:
 # --- validation -------------------------------------------------------------
 
 
-def _seconds(field: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise ValidationError(field, "must be a whole number of seconds or a timedelta", value)
-    if seconds != int(seconds) or seconds < minimum or (maximum is not None and seconds > maximum):
-        bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-        raise ValidationError(field, f"must be a whole number of seconds {bounds}", value)
+def _seconds(field: str, value: object, *, minimum: int, maximum: int) -> int:
+    seconds = seconds_of(field, value)
+    if seconds != int(seconds) or not minimum <= seconds <= maximum:
+        raise ValidationError(field, f"must be a whole number of seconds from {minimum} to "
+                              f"{maximum}", value)
     return int(seconds)
 
 
@@ -140,8 +139,36 @@ def _ref_condition(ref: object) -> Any:
         try:
             return schedule.c.id == uuid.UUID(ref)
         except ValueError:
-            return schedule.c.name == ref
+            return schedule.c.name == check_text("schedule", ref)
     raise ValidationError("schedule", "must be a schedule id (UUID) or name", ref)
+
+
+def _audit(now: datetime, who: tuple[str, str] | None, action: str, info: ScheduleInfo,
+           **details: Any) -> Steps[None]:
+    """The audit row of an operator's action on a schedule (none without an
+    operator: the application's own calls, like cancel's)."""
+    if who is not None:
+        yield audit.insert().values(
+            id=uuid7(), at=now, operator=who[0], action=f"schedule_{action}", job_id=None,
+            reason=who[1],
+            details={"schedule": info.name, "schedule_id": str(info.id), **details})
+
+
+def _who(operator: object, reason: object) -> tuple[str, str] | None:
+    """Operator and reason checked before any SQL; None when neither is given."""
+    if operator is None and reason is None:
+        return None
+    return check_operator(operator, reason)
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    """What deleting a schedule did to the occurrences it had generated and
+    that had not started: ``cancelled`` (with ``cancel_pending``) or ``kept``
+    (they still run)."""
+
+    cancelled: int
+    kept: int
 
 
 # --- statements ---------------------------------------------------------------
@@ -171,40 +198,57 @@ def _list_steps(include_paused: bool) -> Steps[list[ScheduleInfo]]:
     return [ScheduleInfo.from_row(r) for r in result.all()]
 
 
-def _pause_steps(ref: object, now: datetime) -> Steps[bool]:
+def _pause_steps(ref: object, now: datetime, who: tuple[str, str] | None) -> Steps[bool]:
     info = yield from _get_steps(ref)
-    if info.paused:
+    result = yield (update(schedule).where(schedule.c.id == info.id, schedule.c.paused.is_(False))
+                    .values(paused=True, version=schedule.c.version + 1, updated_at=now))
+    if result.rowcount != 1:
         return False
-    yield (update(schedule).where(schedule.c.id == info.id)
-           .values(paused=True, version=schedule.c.version + 1, updated_at=now))
+    yield from _audit(now, who, "pause", info)
     return True
 
 
-def _resume_steps(ref: object, now: datetime) -> Steps[datetime | None]:
+def _resume_steps(ref: object, now: datetime, who: tuple[str, str] | None
+                  ) -> Steps[datetime | None]:
     info = yield from _get_steps(ref)
     if not info.paused:
         return info.next_fire_at
     # What would have fired while paused is not a misfire: start afresh.
     nxt = info.rule.next_after(now)
-    yield (update(schedule).where(schedule.c.id == info.id, schedule.c.paused.is_(True))
-           .values(paused=False, next_fire_at=nxt.at if nxt else None,
-                   version=schedule.c.version + 1, updated_at=now))
-    return nxt.at if nxt else None
+    at = nxt.at if nxt else None
+    result = yield (update(schedule).where(schedule.c.id == info.id, schedule.c.paused.is_(True))
+                    .values(paused=False, next_fire_at=at, version=schedule.c.version + 1,
+                            updated_at=now))
+    if result.rowcount == 1:
+        yield from _audit(now, who, "resume", info,
+                          next_fire_at=at.isoformat() if at else None)
+    return at
 
 
-def _delete_steps(ref: object, now: datetime, cancel_pending: bool) -> Steps[int]:
+def _delete_steps(ref: object, now: datetime, cancel_pending: bool,
+                  who: tuple[str, str] | None) -> Steps[DeleteResult]:
     info = yield from _get_steps(ref)
+    found = yield (select(job.c.id).where(job.c.schedule_id == info.id,
+                                          job.c.state.in_(list(PENDING_STATES)))
+                   .order_by(job.c.due_at))
+    pending = [row[0] for row in found.all()]
     cancelled = 0
     if cancel_pending:
-        result = yield (
-            update(job)
-            .where(job.c.schedule_id == info.id, job.c.state.in_(list(PENDING_STATES)))
-            .values(state=JobState.CANCELLED, version=job.c.version + 1, lease_owner=None,
-                    lease_until=None, finished_at=now, updated_at=now)
-        )
-        cancelled = int(result.rowcount)
-    yield delete(schedule).where(schedule.c.id == info.id)
-    return cancelled
+        operator, reason = who if who is not None else (None, None)
+        for job_id in pending:
+            # One fenced cancel (and, from an operator, one audit row) per
+            # occurrence, so `duebox jobs show` says why it did not run.
+            done = yield from cancel_steps(
+                job_id, now, operator, reason, PENDING_STATES,
+                {"schedule": info.name, "schedule_id": str(info.id), "by": "schedule_delete"})
+            cancelled += done
+    result = yield delete(schedule).where(schedule.c.id == info.id)
+    if result.rowcount != 1:
+        raise ScheduleNotFoundError(ref)  # deleted meanwhile by someone else
+    outcome = DeleteResult(cancelled=cancelled, kept=0 if cancel_pending else len(pending))
+    yield from _audit(now, who, "delete", info, task=info.task, cron=info.cron,
+                      timezone=info.timezone, cancelled=outcome.cancelled, kept=outcome.kept)
+    return outcome
 
 
 def _history_steps(ref: object, limit: int) -> Steps[list[Row[Any]]]:
@@ -296,7 +340,7 @@ class Schedules:
             raise ValidationError("name", "must be a non-empty string", name)
         if not isinstance(task, str):
             raise ValidationError("task", "must be a registered task name", task)
-        registered = self._app.get_task(task)
+        registered = self._app.get_task(task)  # a name with NUL is never registered
         queue = options.get("queue")
         check_optional_str("queue", queue, 200)
         rule = Rule(cron, options.get("timezone", "UTC"),  # type: ignore[arg-type]
@@ -307,9 +351,10 @@ class Schedules:
                                OVERLAP_POLICIES)
         jitter = _seconds("jitter", options.get("jitter", 0), minimum=0, maximum=MAX_JITTER)
         expire = options.get("expire_after")
-        expire_after = None if expire is None else _seconds("expire_after", expire, minimum=1)
+        expire_after = None if expire is None else _seconds("expire_after", expire, minimum=1,
+                                                            maximum=MAX_EXPIRE_AFTER)
         payload = options.get("payload")
-        check_size(check_payload(payload), *self._app.payload_limit())
+        check_payload(payload, self._app.payload_limit())
         priority = check_priority(options.get("priority", 0))
         paused = options.get("paused", False)
         if not isinstance(paused, bool):
@@ -357,46 +402,65 @@ class Schedules:
         return drive(session, _list_steps(include_paused))
 
     @overload
-    def pause(self, session: SyncTarget, ref: uuid.UUID | str) -> bool: ...
+    def pause(self, session: SyncTarget, ref: uuid.UUID | str, *, operator: str | None = None,
+              reason: str | None = None) -> bool: ...
 
     @overload
-    def pause(self, session: AsyncTarget, ref: uuid.UUID | str
+    def pause(self, session: AsyncTarget, ref: uuid.UUID | str, *,
+              operator: str | None = None, reason: str | None = None
               ) -> Coroutine[Any, Any, bool]: ...
 
-    def pause(self, session: Target, ref: uuid.UUID | str) -> bool | Awaitable[bool]:
+    def pause(self, session: Target, ref: uuid.UUID | str, *, operator: str | None = None,
+              reason: str | None = None) -> bool | Awaitable[bool]:
         """Stop generating occurrences; True if it was running.  Occurrences
-        already generated (at most a poll interval ahead) are left alone."""
+        already generated (at most a poll interval ahead) are left alone.
+
+        With ``operator`` (and then a ``reason``, required) the change writes
+        an audit row ``schedule_pause`` in the same transaction, as
+        :meth:`Duebox.cancel` does; so do :meth:`resume` and :meth:`delete`."""
         dialect_of(session)
-        return drive(session, _pause_steps(ref, self._app.clock.now()))
+        who = _who(operator, reason)
+        return drive(session, _pause_steps(ref, self._app.clock.now(), who))
 
     @overload
-    def resume(self, session: SyncTarget, ref: uuid.UUID | str) -> datetime | None: ...
+    def resume(self, session: SyncTarget, ref: uuid.UUID | str, *,
+               operator: str | None = None, reason: str | None = None) -> datetime | None: ...
 
     @overload
-    def resume(self, session: AsyncTarget, ref: uuid.UUID | str
+    def resume(self, session: AsyncTarget, ref: uuid.UUID | str, *,
+               operator: str | None = None, reason: str | None = None
                ) -> Coroutine[Any, Any, datetime | None]: ...
 
-    def resume(self, session: Target, ref: uuid.UUID | str
-               ) -> datetime | Awaitable[datetime | None] | None:
+    def resume(self, session: Target, ref: uuid.UUID | str, *, operator: str | None = None,
+               reason: str | None = None) -> datetime | Awaitable[datetime | None] | None:
         """Generate again from the next fire time after now (what fell in the
         pause is not fired); returns that time."""
         dialect_of(session)
-        return drive(session, _resume_steps(ref, self._app.clock.now()))
+        who = _who(operator, reason)
+        return drive(session, _resume_steps(ref, self._app.clock.now(), who))
 
     @overload
-    def delete(self, session: SyncTarget, ref: uuid.UUID | str, *,
-               cancel_pending: bool = True) -> int: ...
+    def delete(self, session: SyncTarget, ref: uuid.UUID | str, *, cancel_pending: bool = False,
+               operator: str | None = None, reason: str | None = None) -> DeleteResult: ...
 
     @overload
     def delete(self, session: AsyncTarget, ref: uuid.UUID | str, *,
-               cancel_pending: bool = True) -> Coroutine[Any, Any, int]: ...
+               cancel_pending: bool = False, operator: str | None = None,
+               reason: str | None = None) -> Coroutine[Any, Any, DeleteResult]: ...
 
-    def delete(self, session: Target, ref: uuid.UUID | str, *, cancel_pending: bool = True
-               ) -> int | Awaitable[int]:
-        """Delete a schedule; with ``cancel_pending`` (the default) its
-        occurrences not yet started are cancelled.  Returns how many were."""
+    def delete(self, session: Target, ref: uuid.UUID | str, *, cancel_pending: bool = False,
+               operator: str | None = None, reason: str | None = None
+               ) -> DeleteResult | Awaitable[DeleteResult]:
+        """Delete a schedule.  Occurrences it already generated that have not
+        started are kept and still run, as after :meth:`pause`, unless
+        ``cancel_pending``: then each is cancelled (with an operator, each
+        gets a ``cancel`` audit row naming the schedule).  The result counts
+        both."""
         dialect_of(session)
-        return drive(session, _delete_steps(ref, self._app.clock.now(), cancel_pending))
+        if not isinstance(cancel_pending, bool):
+            raise ValidationError("cancel_pending", "must be True or False", cancel_pending)
+        who = _who(operator, reason)
+        return drive(session, _delete_steps(ref, self._app.clock.now(), cancel_pending, who))
 
     @overload
     def history(self, session: SyncTarget, ref: uuid.UUID | str, limit: int = 10
@@ -426,6 +490,7 @@ __all__ = [
     "GAP_POLICIES",
     "MISFIRE_POLICIES",
     "OVERLAP_POLICIES",
+    "DeleteResult",
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",

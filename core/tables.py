@@ -80,6 +80,27 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.astimezone(UTC)
 
 
+class ExactName(TypeDecorator[str]):
+    """A key or name compared character for character on every dialect.
+
+    MySQL/MariaDB's default collation is case- and accent-insensitive and
+    ignores trailing spaces: ``key="ABC"`` would find the job of
+    ``key="abc"`` and schedule nothing.  There these columns are binary
+    without padding; migration 0005 converts older tables."""
+
+    impl = String
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            collation = ("utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False)
+                         else "utf8mb4_0900_bin")
+            length = getattr(self.impl_instance, "length", None)
+            return dialect.type_descriptor(mysql.VARCHAR(
+                length, charset="utf8mb4", collation=collation))
+        return self.impl_instance
+
+
 def _dt(name: str, nullable: bool = True, **kw: Any) -> Column[datetime]:
     return Column(name, UTCDateTime(), nullable=nullable, **kw)
 
@@ -105,8 +126,8 @@ job = Table(
     "duebox_job",
     metadata,
     Column("id", Uuid(), primary_key=True),
-    Column("task", String(200), nullable=False),
-    Column("queue", String(200), nullable=False),
+    Column("task", ExactName(200), nullable=False),
+    Column("queue", ExactName(200), nullable=False),
     Column("payload", JsonType, nullable=True),
     Column("headers", JsonType, nullable=True),
     _dt("due_at", nullable=False),
@@ -115,8 +136,8 @@ job = Table(
     Column("attempt", Integer, nullable=False, default=0),
     Column("max_attempts", Integer, nullable=False),
     Column("priority", Integer, nullable=False, default=0),
-    Column("tenant", String(200), nullable=True),
-    Column("key", String(400), nullable=True),
+    Column("tenant", ExactName(200), nullable=True),
+    Column("key", ExactName(400), nullable=True),
     Column("schedule_id", Uuid(), nullable=True),
     _dt("nominal_fire_at"),
     _dt("expires_at"),
@@ -185,7 +206,7 @@ rate_bucket = Table(
     # Token buckets shared by every relay (docs/scale.md): ``global``,
     # ``queue:<name>``, ``tenant:<name>``.  Rate and burst live in the relays'
     # configuration; the row holds only the shared state.
-    Column("name", String(200), primary_key=True),
+    Column("name", ExactName(200), primary_key=True),
     Column("tokens", Float, nullable=False),
     _dt("updated_at", nullable=False),
 )
@@ -207,9 +228,9 @@ schedule = Table(
     "duebox_schedule",
     metadata,
     Column("id", Uuid(), primary_key=True),
-    Column("name", String(200), nullable=False),
-    Column("task", String(200), nullable=False),
-    Column("queue", String(200), nullable=False),
+    Column("name", ExactName(200), nullable=False),
+    Column("task", ExactName(200), nullable=False),
+    Column("queue", ExactName(200), nullable=False),
     Column("cron", String(200), nullable=False),
     Column("timezone", String(64), nullable=False),
     Column("payload", JsonType, nullable=True),

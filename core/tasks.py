@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import random
 import uuid
 from collections.abc import Callable
@@ -12,10 +13,14 @@ from typing import Any, Protocol
 
 from .errors import ConfigurationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, FailureClass, Verdict
+from .values import MAX_SPAN, text_problem
 
 Handler = Callable[[Any, "JobContext"], Any]
 
 _NAME_MAX = 200
+# Backoff doubles per attempt up to the cap; it stops doubling after this
+# many, since 2.0 ** 1024 overflows and max_attempts has no ceiling.
+_DOUBLINGS = 64
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,18 @@ class RetryPolicy:
     cap: float = 300.0
     minimum: float = 0.0
 
+    def __post_init__(self) -> None:
+        most = MAX_SPAN.total_seconds()
+        for name in ("base", "cap", "minimum"):
+            value = getattr(self, name)
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or (isinstance(value, float) and math.isnan(value))
+                    or not 0 <= value <= most):
+                raise ConfigurationError(f"RetryPolicy.{name}: must be a number of seconds from "
+                                         f"0 to {most:.0f} (got {value!r})")
+
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        ceiling: float = min(self.cap, self.base * 2.0 ** max(0, attempt - 1))
+        ceiling: float = min(self.cap, self.base * 2.0 ** min(max(0, attempt - 1), _DOUBLINGS))
         r: float = (rng or random).random()
         return max(self.minimum, ceiling * r)
 
@@ -41,10 +56,14 @@ class RetryPolicy:
         """
         if verdict.failure_class != FailureClass.THROTTLED:
             return self.delay(attempt, rng)
-        ceiling = min(self.cap, self.base * 2.0 ** attempt)
-        floor = verdict.retry_after if verdict.retry_after is not None else ceiling
+        ceiling = min(self.cap, self.base * 2.0 ** min(attempt, _DOUBLINGS))
+        floor = verdict.retry_after
+        if floor is None or not math.isfinite(floor):
+            floor = ceiling
         r: float = (rng or random).random()
-        return max(self.minimum, floor) * (1.0 + 0.1 * r)
+        # A downstream's Retry-After is someone else's input: however large,
+        # the retry's due time must stay a date (duebox.values.MAX_SPAN).
+        return min(max(self.minimum, floor) * (1.0 + 0.1 * r), MAX_SPAN.total_seconds())
 
 
 @dataclass(frozen=True)
@@ -79,11 +98,27 @@ def validate_task_options(name: object, queue: object, max_attempts: object) -> 
     if not isinstance(name, str) or not name or len(name) > _NAME_MAX:
         raise ConfigurationError(f"task name: must be a non-empty string of at most {_NAME_MAX} "
                                  f"characters (got {name!r})")
+    if (problem := text_problem(name)) is not None:
+        raise ConfigurationError(f"task name: {problem} (got {name!r})")
     if not isinstance(queue, str) or not queue or len(queue) > _NAME_MAX:
         raise ConfigurationError(f"queue: must be a non-empty string of at most {_NAME_MAX} "
                                  f"characters (got {queue!r})")
     if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
         raise ConfigurationError(f"max_attempts: must be an integer >= 1 (got {max_attempts!r})")
+
+
+def check_task_seconds(**durations: object) -> None:
+    """Durations a task adds to instants (``timeout``, ``max_lateness``,
+    ``lease_seconds``): None, or a number of seconds > 0 and at most
+    :data:`duebox.values.MAX_SPAN`, so no due time plus one overflows."""
+    most = MAX_SPAN.total_seconds()
+    for name, value in durations.items():
+        if value is None:
+            continue
+        if (not isinstance(value, int | float) or isinstance(value, bool)
+                or (isinstance(value, float) and math.isnan(value)) or not 0 < value <= most):
+            raise ConfigurationError(f"{name}: must be a number of seconds > 0 and at most "
+                                     f"{most:.0f} ({MAX_SPAN.days} days) (got {value!r})")
 
 
 class JobControl(Protocol):

@@ -286,3 +286,18 @@ class Running:
 def memory_url() -> str:
     """A fresh in-process hub per test (hubs are keyed by name)."""
     return f"memory://t{uuid.uuid4().hex[:12]}"
+
+
+class ShiftedClock:
+    """The system clock moved by a fixed offset (``start`` is "now" at
+    creation): real time passes, but at another date, e.g. the last day a
+    due time may have (duebox.values.LATEST)."""
+
+    def __init__(self, start: datetime) -> None:
+        self.offset = start - datetime.now(UTC)
+
+    def now(self) -> datetime:
+        return datetime.now(UTC) + self.offset
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))

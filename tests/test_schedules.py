@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 import duebox
 from duebox import FakeClock, JobState, Settings, ValidationError, occurrences
 from duebox.cli.main import cli
-from duebox.schedules import ScheduleInfo, ScheduleNotFoundError
-from duebox.tables import job, schedule
+from duebox.schedules import DeleteResult, ScheduleInfo, ScheduleNotFoundError
+from duebox.tables import audit, job, schedule
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -131,7 +131,7 @@ def test_add_get_list_pause_resume_delete(app: duebox.Duebox) -> None:
     assert (get(app, sid).paused, get(app, sid).version) == (False, 3)
 
     with Session(app.engine) as s, s.begin():
-        assert app.schedules.delete(s, "nightly") == 0
+        assert app.schedules.delete(s, "nightly") == DeleteResult(cancelled=0, kept=0)
     with Session(app.engine) as s, pytest.raises(ScheduleNotFoundError) as err:
         app.schedules.get(s, "nightly")
     assert err.value.field == "schedule"
@@ -353,7 +353,12 @@ def test_fall_back_hourly_through_the_relay_does_the_documented_thing(
     app.dispose()
 
 
-def test_delete_cancels_pending_occurrences(app: duebox.Duebox) -> None:
+def test_delete_keeps_pending_occurrences_unless_told_to_cancel_them(
+    app: duebox.Duebox,
+) -> None:
+    """Deleting a schedule is pausing it for good: what it already generated
+    still runs unless the caller asks, and then each cancellation is audited."""
+    kept_sid = add(app, "kept", "* * * * *", misfire="fire_all")
     sid = add(app, "m", "* * * * *", misfire="fire_all")
     clock_of(app).advance(180)
     generate(app)
@@ -361,10 +366,23 @@ def test_delete_cancels_pending_occurrences(app: duebox.Duebox) -> None:
         conn.execute(sa.update(job).where(job.c.nominal_fire_at == at(1))
                      .values(state=JobState.SUCCEEDED))
     with Session(app.engine) as s, s.begin():
-        assert app.schedules.delete(s, sid) == 2
+        assert app.schedules.delete(s, kept_sid) == DeleteResult(cancelled=0, kept=2)
+    assert {r.state for r in occurrence_rows(app, kept_sid)} == {"SUCCEEDED", "SCHEDULED"}
+    with Session(app.engine) as s, s.begin():
+        assert app.schedules.delete(s, sid, cancel_pending=True, operator="alice",
+                                    reason="retired") == DeleteResult(cancelled=2, kept=0)
     states = {r.nominal_fire_at: (r.state, r.version) for r in occurrence_rows(app, sid)}
     assert states == {at(1): ("SUCCEEDED", 1), at(2): ("CANCELLED", 2),
                       at(3): ("CANCELLED", 2)}
+    with app.engine.connect() as conn:
+        rows = conn.execute(sa.select(audit).order_by(audit.c.action)).all()
+    cancelled = {r.id for r in occurrence_rows(app, sid) if r.state == "CANCELLED"}
+    assert sorted((r.action, r.job_id in cancelled) for r in rows) == [
+        ("cancel", True), ("cancel", True), ("schedule_delete", False)]
+    assert all((r.operator, r.reason) == ("alice", "retired") for r in rows)
+    [deleted] = [r for r in rows if r.action == "schedule_delete"]
+    assert deleted.details["schedule"] == "m"
+    assert (deleted.details["cancelled"], deleted.details["kept"]) == (2, 0)
 
 
 def test_a_broken_stored_rule_is_reported_and_does_not_stop_the_others(
@@ -431,10 +449,11 @@ def test_cli_add_list_show_next_pause_resume_delete(runner: CliRunner) -> None:
     assert lines[2].split()[:5] == ["2027-03-15", "02:30:00", "EDT", "(-04:00)",
                                     "2027-03-15T06:30:00Z"]
 
-    assert "paused" in invoke(runner, "pause", "nightly")
+    who = ["--operator", "alice", "--reason", "maintenance"]
+    assert "paused" in invoke(runner, "pause", "nightly", *who)
     assert "yes" in invoke(runner, "show", "nightly").split("paused")[1].splitlines()[0]
-    assert "next fire" in invoke(runner, "resume", "nightly")
-    assert "deleted" in invoke(runner, "delete", "nightly")
+    assert "next fire" in invoke(runner, "resume", "nightly", *who)
+    assert "deleted; no pending occurrences" in invoke(runner, "delete", "nightly", *who)
     assert "no schedules" in invoke(runner, "list")
 
 

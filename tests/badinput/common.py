@@ -3,11 +3,15 @@ and the check that a rejected call wrote nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from conftest import PG_ADMIN_URL, service_missing
 from helpers import duebox_row_counts
 from sqlalchemy import Engine
 
@@ -40,3 +44,28 @@ def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
     with engine.connect() as conn:
         return {t.name: sorted(tuple(map(repr, r)) for r in conn.execute(t.select()))
                 for t in duebox.metadata.sorted_tables}
+
+
+@contextlib.contextmanager
+def scratch_database(prefix: str, roles: Sequence[str] = ()) -> Iterator[str]:
+    """A PostgreSQL database of the caller's own and ``roles`` that may log
+    in (and nothing else yet), all dropped at the end.  Yields its URL."""
+    db = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{db}"'))
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        service_missing("PostgreSQL", exc)
+    try:
+        with admin.connect() as conn:
+            for role in roles:
+                conn.execute(sa.text(f'CREATE ROLE "{role}" LOGIN'))
+        yield sa.make_url(PG_ADMIN_URL).set(database=db).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
+            for role in roles:
+                conn.execute(sa.text(f'DROP ROLE IF EXISTS "{role}"'))
+        admin.dispose()

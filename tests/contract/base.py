@@ -34,6 +34,7 @@ from backends import with_params
 from conftest import reset_tables
 from helpers import (
     Running,
+    ShiftedClock,
     attempt_rows,
     cancel_committed,
     check_no_early_start,
@@ -53,6 +54,7 @@ from duebox.errors import BrokerError
 from duebox.message import JobMessage
 from duebox.relay import Relay
 from duebox.tasks import RetryPolicy
+from duebox.values import EARLIEST, LATEST
 
 PROCS = Path(__file__).resolve().parents[1] / "procs"
 
@@ -439,3 +441,26 @@ class BackendContract:
         assert sorted(effect_rows(app.engine)) == sorted(str(j) for j in ids)
         assert all(calls(app, j) == 1 for j in ids)
         check_no_early_start(app.engine)
+
+    # --- 10. due times at both ends of the accepted range ---------------------------
+
+    async def test_due_times_at_both_ends_of_the_range_run(self, apps: MakeApp) -> None:
+        """The earliest due time duebox accepts (the Unix epoch) and the
+        latest (a microsecond before 9000-01-01) are claimed, handed over and
+        run, and no relay or worker crashes on them: nothing computes a date
+        past the calendar from either (year 1 used to crash every delivery)."""
+        for due, start in ((EARLIEST, None), (LATEST - timedelta(microseconds=1),
+                                               LATEST - timedelta(seconds=2))):
+            clock = ShiftedClock(start) if start is not None else None
+            app = apps(settings={"clock": clock} if clock else None)
+            ran: list[tuple[datetime, datetime]] = []
+            app.add_task("extreme", lambda p, ctx, a=app, ran=ran: ran.append(
+                (ctx.due_at, a.clock.now())))
+            job_id = schedule_committed(app, "extreme", at=due)
+            assert job_row(app.engine, job_id).due_at == due
+            async with Running(app, relays=1, workers=1) as r:
+                await r.wait(lambda a=app, j=job_id: state(a, j) == "SUCCEEDED", timeout=30,
+                             what=f"the job due at {due.isoformat()} to run")
+            [(seen_due, started)] = ran
+            assert seen_due == due
+            assert started >= due
