@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox.schedules import ScheduleInfo
+from duebox.schedules import DeleteResult, ScheduleInfo
 
 app = duebox.Duebox(database_url="postgresql+psycopg://localhost/shop", broker_url="sql://")
 
@@ -81,7 +81,7 @@ def schedules_sync(session: Session) -> None:
     assert_type(app.schedules.pause(session, schedule_id), bool)
     assert_type(app.schedules.resume(session, "daily-report"), datetime | None)
     assert_type(app.schedules.history(session, "daily-report"), list[Row[Any]])
-    assert_type(app.schedules.delete(session, "daily-report"), int)
+    assert_type(app.schedules.delete(session, "daily-report"), DeleteResult)
 
 
 async def schedules_async(session: AsyncSession) -> None:
@@ -92,7 +92,8 @@ async def schedules_async(session: AsyncSession) -> None:
     assert_type(await app.schedules.pause(session, "nightly"), bool)
     assert_type(await app.schedules.resume(session, "nightly"), datetime | None)
     assert_type(await app.schedules.history(session, "nightly", 5), list[Row[Any]])
-    assert_type(await app.schedules.delete(session, "nightly", cancel_pending=False), int)
+    assert_type(await app.schedules.delete(session, "nightly", cancel_pending=False),
+                DeleteResult)
 
 
 async def run_in_process() -> None:
