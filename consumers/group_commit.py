@@ -32,8 +32,9 @@ before the first handler runs (the dedupe rows, then the job rows in id
 order; at READ COMMITTED on MySQL/MariaDB, core/db.py, so no gap locks):
 after that they only touch the group's own rows — its job rows, locked; its
 dedupe rows, inserted; its jobs' attempt rows, which nobody else writes
-while the job rows are locked — so they never wait and cannot deadlock.  A failure before the first handler leaves nothing to
-repeat: each job then runs alone, once.  After handlers ran, the transaction
+while the job rows are locked — so they never wait and cannot deadlock.  A
+failure before the first handler leaves nothing to repeat: each job then
+runs alone, once.  After handlers ran, the transaction
 can still be lost by a real fault: the connection or the commit fails, or —
 on MySQL/MariaDB only, where InnoDB rolls back the *whole* transaction on a
 deadlock, savepoints and all — a handler's own statement deadlocks (on
