@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 
 async def wait_any(timeout: float, *events: asyncio.Event) -> None:  # noqa: ASYNC109
@@ -19,5 +18,9 @@ async def wait_any(timeout: float, *events: asyncio.Event) -> None:  # noqa: ASY
     finally:
         for w in waiters:
             w.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await w
+        # Let them finish without catching a CancelledError here: a
+        # cancellation of the *caller* that lands now arrives as one too.
+        # ``suppress(CancelledError)`` around ``await w`` swallowed it, and a
+        # loop that ends only when cancelled (the sql:// claimer, a worker's
+        # consumer) ran on: a stop that never finished (issue #24).
+        await asyncio.wait(waiters)

@@ -29,7 +29,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import bindparam, delete
+from sqlalchemy import bindparam, delete, func, select
 
 from duebox import jobstore
 from duebox.clock import utcnow
@@ -107,6 +107,21 @@ class SQLDedupeStore:
             return set(conn.execute(stmt.returning(processed.c.message_id), rows).scalars())
         return {m for m in message_ids
                 if conn.execute(stmt, {"d_message_id": m, "d_now": now}).rowcount == 1}
+
+    def still_claimed(self, conn: Any, message_ids: Sequence[str]) -> bool:
+        """MySQL/MariaDB: whether ``conn``'s transaction still has the seen-rows
+        it inserted for ``message_ids`` (:meth:`claim_many`).  A deadlock
+        rolls an InnoDB transaction back whole and the connection's next
+        statement silently begins a new one; this tells.  Elsewhere a
+        transaction the server rolled back refuses every further statement:
+        True without a query."""
+        if conn.dialect.name not in ("mysql", "mariadb") or not message_ids:
+            return True
+        found = conn.execute(
+            select(func.count()).select_from(processed)
+            .where(processed.c.consumer == self.consumer,
+                   processed.c.message_id.in_(list(message_ids)))).scalar_one()
+        return int(found) == len(message_ids)
 
     def forget_many(self, conn: Any, message_ids: Sequence[str]) -> None:
         """Drop seen-rows this transaction inserted for messages whose handler

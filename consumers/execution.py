@@ -166,12 +166,18 @@ class Execution:
                 if not scope.expired():
                     raise
                 # A sync handler's thread cannot be stopped: it is told through
-                # ctx.cancelled, and its completion will find the lease gone.
-                self.cancelled = True
-                return await self.pools.db(
-                    self.settle, Verdict(FailureClass.TRANSIENT),
-                    f"timeout: ran longer than {self.task.timeout:g} s",
-                )
+                # ctx.cancelled, and its completion finds the lease gone.  Told
+                # only once the failure is recorded (the lease moved on): told
+                # first, a handler that stops when told returned and completed
+                # its job — cut short, as SUCCEEDED — before the failure was
+                # recorded, which then found the lease gone (issue #24).
+                try:
+                    return await self.pools.db(
+                        self.settle, Verdict(FailureClass.TRANSIENT),
+                        f"timeout: ran longer than {self.task.timeout:g} s",
+                    )
+                finally:
+                    self.cancelled = True
         except _Duplicate:
             return await self.pools.db(self._close_duplicate)
         except LeaseLostError:

@@ -24,10 +24,26 @@ transaction:
 
 A group stops starting handlers once it has run for ``_BUDGET`` seconds: a
 slow handler's group commits early, and the jobs it did not start go back to
-the front of the queue.  If the transaction fails as a whole (a deadlock
-with another transaction, a lost connection), none of it happened and each
-of its jobs runs again alone.  With no backlog, every job runs alone, in a
+the front of the queue.  With no backlog, every job runs alone, in a
 transaction of its own, as it always did.
+
+A group lost as a whole.  Every lock duebox's own statements need is taken
+before the first handler runs (the dedupe rows, then the job rows in id
+order; at READ COMMITTED on MySQL/MariaDB, core/db.py, so no gap locks):
+after that they only touch the group's own rows — its job rows, locked; its
+dedupe rows, inserted; its jobs' attempt rows, which nobody else writes
+while the job rows are locked — so they never wait and cannot deadlock.  A
+failure before the first handler leaves nothing to repeat: each job then
+runs alone, once.  After handlers ran, the transaction
+can still be lost by a real fault: the connection or the commit fails, or —
+on MySQL/MariaDB only, where InnoDB rolls back the *whole* transaction on a
+deadlock, savepoints and all — a handler's own statement deadlocks (on
+PostgreSQL and SQLite its savepoint takes that alone).  Their writes are
+gone, so those jobs must run again: each runs alone at once, its handler a
+second time, logged and counted (``WorkerStats.reran``).  Such a loss is
+detected, never committed past: a savepoint that cannot be rolled back to, or
+(MySQL/MariaDB) dedupe rows of the group no longer there at its end, raise
+:class:`_GroupLost` instead of completing jobs whose writes were rolled back.
 
 Never grouped: ``async def`` handlers (they run on the event loop), tasks
 with a ``timeout`` (a shared transaction cannot be cut short for one of
@@ -92,6 +108,17 @@ class _Item:
     # Handed over before its due time: its lease is read again and the
     # handler held to the due time in the executor thread (Execution).
     early: bool = False
+    # Its handler was called in a group's transaction (which may then be lost).
+    ran: bool = False
+
+
+class _GroupLost(Exception):
+    """The group's transaction was rolled back by the database after
+    handlers ran (see the module notes); ``cause``: why."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the group's transaction was lost: {cause}")
+        self.cause = cause
 
 
 class _Unset:
@@ -134,7 +161,8 @@ class Executors:
     def __init__(self, app: Duebox, worker: str, dedupe: SQLDedupeStore,
                  pools: Callable[[], Pools], count: int, group: int,
                  on_group: Callable[[int], None],
-                 reread: Callable[[jobstore.JobRecord], Awaitable[bool]]) -> None:
+                 reread: Callable[[jobstore.JobRecord], Awaitable[bool]],
+                 on_rerun: Callable[[int], None] = lambda n: None) -> None:
         self.app = app
         self.worker = worker
         self.dedupe = dedupe
@@ -142,6 +170,7 @@ class Executors:
         self.count = count
         self.group = group
         self.on_group = on_group
+        self.on_rerun = on_rerun
         self.reread = reread
         self._pending: deque[_Item] = deque()
         self._active = 0
@@ -202,10 +231,20 @@ class Executors:
             try:
                 done, unrun = await self.pools().handler(self._run_group, items)
             except Exception as exc:
-                # Rolled back as a whole: none of it happened.
-                log.warning("a group of %d jobs failed as a whole (%s); running each alone",
-                            len(items), exc)
+                # Rolled back as a whole: none of it happened.  Each job runs
+                # alone; a handler that had run in the group runs a second
+                # time (see the module notes for when that can happen).
+                ran = sum(item.ran for item in items)
+                if ran:
+                    self.on_rerun(ran)
+                    log.warning("a group of %d jobs was rolled back after %d of its handlers "
+                                "ran (%s): each job runs again alone, those %d handlers a "
+                                "second time", len(items), ran, exc, ran)
+                else:
+                    log.warning("a group of %d jobs failed before any handler ran (%s); "
+                                "running each alone", len(items), exc)
                 for item in items:
+                    item.ran = False
                     await self._alone(item)
                 return
             self.on_group(len(items) - len(unrun))
@@ -326,6 +365,13 @@ class Executors:
                         done.append((item, failed))
             now = clock.now()
             self.dedupe.forget_many(conn, forget)
+            if succeeded and not self.dedupe.still_claimed(
+                    conn, [str(i.rec.id) for i in succeeded]):
+                # MySQL/MariaDB: the transaction was rolled back under the
+                # handlers (a deadlock error a handler swallowed) and the
+                # statements since ran in a new one: committing it would
+                # complete jobs whose writes are gone.
+                raise _GroupLost(RuntimeError("the group's dedupe rows are gone"))
             jobstore.complete_locked(conn, [i.rec for i in succeeded], "succeeded", now)
             jobstore.complete_locked(conn, [i.rec for i in duplicates], "duplicate", now)
         done += [(i, Outcome("succeeded")) for i in succeeded]
@@ -336,27 +382,37 @@ class Executors:
         """One handler in its savepoint; its failure's outcome, or None."""
         clock = self.app.clock
         control = _GroupControl(conn, item.rec, clock)
+        # The session emits the SAVEPOINT lazily, at the handler's first
+        # statement through it: a handler that never touches the database
+        # costs no round trip for it.  A checkpoint written through ``conn``
+        # before that is outside the savepoint, which is where it belongs: it
+        # survives a failure (written again below in case the savepoint had it).
+        savepoint = session.begin_nested()
         try:
-            # The session emits the SAVEPOINT lazily, at the handler's first
-            # statement through it: a handler that never touches the
-            # database costs no round trip for it.  A checkpoint written
-            # through ``conn`` before that is outside the savepoint, which
-            # is where it belongs: it survives a failure (written again
-            # below in case the savepoint had it).
-            with session.begin_nested():
-                if item.early:  # its lease was checked under the lock
-                    wait_until(clock, item.rec.due_at)
-                item.started = clock.now()
-                began = time.monotonic()
-                try:
-                    item.task.fn(item.rec.payload,
-                                 job_context(item.rec, session, self.worker, control))
-                finally:
-                    self._paced(time.monotonic() - began)
+            if item.early:  # its lease was checked under the lock
+                wait_until(clock, item.rec.due_at)
+            item.started = clock.now()
+            began = time.monotonic()
+            item.ran = True
+            try:
+                item.task.fn(item.rec.payload,
+                             job_context(item.rec, session, self.worker, control))
+            finally:
+                self._paced(time.monotonic() - began)
         except Exception as exc:
+            try:
+                savepoint.rollback()
+            except Exception as lost:
+                # No savepoint to go back to: the database rolled the whole
+                # transaction back (MySQL/MariaDB on a deadlock) or the
+                # connection is gone.  Going on would run the rest of the
+                # group, and complete it, in a new transaction without the
+                # writes of the handlers before this one.
+                raise _GroupLost(exc) from lost
             verdict = item.task.classifier.classify(exc)
             error = "".join(traceback.format_exception_only(exc)).strip()
             if control.saved is not _UNSET:
                 control.write()
             return record_failure(conn, item.task, item.rec, verdict, error, clock.now())
+        savepoint.commit()
         return None

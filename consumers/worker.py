@@ -75,6 +75,9 @@ class WorkerStats:
     lease_lost: int = 0
     deferred: int = 0
     grouped: int = 0  # jobs run in a group-commit transaction with others
+    # Handlers called a second time because their group's transaction was
+    # lost after they ran (consumers/group_commit.py says when that happens).
+    reran: int = 0
     throttled: int = 0  # failures classed as throttled (the relay slows down on them)
     discarded: Counter[str] = field(default_factory=Counter)
 
@@ -105,7 +108,7 @@ class Worker:
         self.group_commit = group_commit or app.settings.group_commit
         self.executors = Executors(app, self.name, self.dedupe, lambda: self.pools,
                                    self.concurrency, self.group_commit, self._grouped,
-                                   lambda rec: self.rereads.call(rec))
+                                   lambda rec: self.rereads.call(rec), self._reran)
         self.starts = Starts(app, self.name, lambda: self.pools)
         reread = functools.partial(still_leased, app)
         self.rereads: Batched[jobstore.JobRecord, bool] = Batched(
@@ -327,6 +330,9 @@ class Worker:
     def _grouped(self, size: int) -> None:
         self.stats.grouped += size
         self.metrics.group_size.labels(self.backend).observe(size)
+
+    def _reran(self, handlers: int) -> None:
+        self.stats.reran += handlers
 
     def _discard(self, reason: str) -> None:
         self.stats.discarded[reason] += 1

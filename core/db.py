@@ -49,6 +49,18 @@ def parse_database_url(url: str | URL) -> URL:
     return parsed
 
 
+_MYSQL = ("mysql", "mariadb")
+# Every transaction duebox opens on MySQL/MariaDB, its own and its handlers',
+# runs at READ COMMITTED, PostgreSQL's default.  InnoDB's default, REPEATABLE
+# READ, takes next-key and gap locks: a locking read or an UPDATE keeps a lock
+# on every row (and gap) its index scan passed, not only on the rows it
+# changed, so transactions that touch different jobs block and deadlock each
+# other — and a deadlock rolls a whole group-commit transaction back
+# (consumers/group_commit.py).  At READ COMMITTED only the rows a statement
+# changes or locks stay locked.
+MYSQL_ISOLATION = "READ COMMITTED"
+
+
 def create_sync_engine(url: str | URL, **kw: Any) -> Engine:
     parsed = parse_database_url(url)
     backend = parsed.get_backend_name()
@@ -57,6 +69,8 @@ def create_sync_engine(url: str | URL, **kw: Any) -> Engine:
             return _sqlite_engine(parsed, **kw)
         kw.setdefault("pool_size", 10)
         kw.setdefault("max_overflow", 20)
+        if backend in _MYSQL:
+            kw.setdefault("isolation_level", MYSQL_ISOLATION)
         engine = create_engine(parsed, **kw)
         if not kw.get("pool_pre_ping"):
             ping_when_idle(engine)
@@ -87,7 +101,8 @@ def create_async_engine_for(url: str | URL) -> AsyncEngine:
             event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
             event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
             return engine
-        async_engine = create_async_engine(parsed)
+        async_engine = create_async_engine(
+            parsed, **({"isolation_level": MYSQL_ISOLATION} if backend in _MYSQL else {}))
         ping_when_idle(async_engine.sync_engine)
         return async_engine
     except ModuleNotFoundError as exc:

@@ -231,16 +231,28 @@ def runner(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     cli_app.app.dispose()
 
 
+def _reruns(config: pytest.Config) -> list[Any]:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    return list(reporter.stats.get("rerun", [])) if reporter is not None else []
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print why each rerun test failed the first time: ``--reruns`` is a
-    stopgap, and its failures are the flakes still to fix (rerunfailures
-    itself prints only their names)."""
+    """A rerun is a failure: print why each rerun test failed (should someone
+    run with pytest-rerunfailures' ``--reruns``); the session then fails."""
     reruns = terminalreporter.stats.get("rerun", [])
     if not reruns:
         return
-    terminalreporter.section("why the rerun tests failed first")
+    terminalreporter.section("FAILED: tests that passed only when rerun", red=True)
     for rep in reruns:
         text = getattr(rep, "longreprtext", "") or str(rep.longrepr)
         terminalreporter.write_line(f"--- {rep.nodeid}")
         for line in text.splitlines()[-60:]:
             terminalreporter.write_line(line)
+    terminalreporter.write_line(f"{len(reruns)} rerun(s): the session fails", red=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every flake is a bug (issue #24): a session that needed a rerun fails."""
+    if _reruns(session.config) and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -343,9 +343,11 @@ async def test_a_group_that_fails_as_a_whole_runs_each_job_alone(
             seen_short_handlers(r)
             await r.wait(lambda: all_final(app.engine, ids), timeout=60,
                          what="all 20 jobs to succeed")
+            reran = r.worker_total("reran")
         assert failures == [1]
         calls = [c[0] for c in app.calls.log]  # type: ignore[attr-defined]
         assert len(calls) > len(set(calls)) == 20  # the failed group's handlers ran again...
+        assert reran == len(calls) - 20  # ...each one counted
         assert sorted(effect_rows(app.engine)) == sorted(str(i) for i in ids)  # ...once in effect
     finally:
         await app.adispose()

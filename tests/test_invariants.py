@@ -98,7 +98,17 @@ def assert_one_effect_each(app: duebox.Duebox, ids: list[uuid.UUID]) -> None:
     rows = effect_rows(app.engine)
     assert set(rows) == {str(i) for i in ids}
     calls = app.calls  # type: ignore[attr-defined]
-    assert {i: calls.count(i) for i in ids} == dict.fromkeys(ids, 1), "a handler ran twice"
+    twice = [i for i in ids if calls.count(i) != 1]
+    # Say which job, with which leases, and what its attempts recorded: a
+    # second call is a bug to find, and this is where to start.
+    assert not twice, "a handler ran twice: " + "; ".join(
+        f"{i}: calls (job, lease generation) {[c for c in calls.log if c[0] == str(i)]}, "
+        f"attempts {_attempts(app, i)}" for i in twice)
+
+
+def _attempts(app: duebox.Duebox, job_id: uuid.UUID) -> list[tuple[Any, ...]]:
+    return [(a.number, a.worker, a.lease_generation, a.outcome, a.error)
+            for a in attempt_rows(app.engine, job_id)]
 
 
 # --- invariant 1: never before due_at -------------------------------------------------

@@ -22,7 +22,7 @@ from helpers import check_no_early_start, create_effects, effect_rows, effects, 
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox.tables import attempt, job
+from duebox.tables import attempt, job, lease
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,22 @@ def leased_to(engine: sa.Engine, owner_prefix: str) -> list[tuple[uuid.UUID, str
     with engine.connect() as conn:
         return [(r.id, r.state) for r in conn.execute(
             sa.select(job.c.id, job.c.state).where(job.c.lease_owner.startswith(owner_prefix)))]
+
+
+def all_running(engine: sa.Engine, names: list[str]) -> bool:
+    """Whether each of these processes has written its heartbeat row: it is
+    past its start-up (imports, connections, warm-up) and taking work."""
+    with engine.connect() as conn:
+        beating = set(conn.execute(sa.select(lease.c.name)).scalars())
+    return beating >= set(names)
+
+
+def wait_until_running(app: duebox.Duebox, procs: Procs, names: list[str]) -> None:
+    """Jobs are scheduled only once every process runs: a process that
+    started seconds after the others (an import on a loaded machine) would
+    otherwise find the others done with the work it was to be killed in."""
+    poll("every process to beat", lambda: all_running(app.engine, names), timeout=60,
+         check=procs.check)
 
 
 def schedule_jobs(app: duebox.Duebox, n: int, rng: random.Random) -> list[uuid.UUID]:
@@ -127,12 +143,14 @@ def test_separate_relays_and_workers_survive_sigkill(database_url: str, procs: P
     rng = random.Random(7)
     app = prepare(database_url, "sql://")
     try:
-        ids = schedule_jobs(app, 500, rng)
         for name in ("r1", "r2"):
             procs.start(name, "relay", database_url, "sql://", name)
         for name in ("w1", "w2"):
             procs.start(name, "worker", database_url, "sql://", name)
-        # Cancel a tenth, at random, while the processes start up.
+        wait_until_running(app, procs, ["relay:r1-relay", "relay:r2-relay",
+                                        "worker:w1-worker", "worker:w2-worker"])
+        ids = schedule_jobs(app, 500, rng)
+        # Cancel a tenth, at random, while the first jobs come due.
         cancelled = cancel_some(app, rng.sample(ids, 50))
         poll("w1 to commit some effects", lambda: effects_by(app.engine, "w1-") >= 40,
              timeout=30, check=procs.check)
@@ -162,9 +180,11 @@ def test_colocated_relay_and_worker_processes_on_memory_survive_sigkill(
     broker = memory_url() + "?max_delay=0.5"
     app = prepare(database_url, broker)
     try:
-        ids = schedule_jobs(app, 400, rng)
         for name in ("p1", "p2"):
             procs.start(name, "both", database_url, broker, name)
+        wait_until_running(app, procs, ["relay:p1-relay", "relay:p2-relay",
+                                        "worker:p1-worker", "worker:p2-worker"])
+        ids = schedule_jobs(app, 400, rng)
         cancelled = cancel_some(app, rng.sample(ids, 40))
         poll("p1 to commit some effects", lambda: effects_by(app.engine, "p1-") >= 40,
              timeout=30, check=procs.check)
