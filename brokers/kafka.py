@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from duebox.errors import BrokerError, MissingDependencyError
+from duebox.errors import BrokerError, MissingDependencyError, ValidationError
 
 from ._common import ordering_key
 from .base import (
@@ -62,8 +62,8 @@ from .base import (
     Delivery,
     Outgoing,
     PublishResult,
-    delivery_from_body,
     parse_params,
+    refused,
 )
 from .kafka_settings import KafkaSettings
 
@@ -281,6 +281,12 @@ class KafkaBroker(Broker):
         self._seq = itertools.count()
         self.received = 0
 
+    @classmethod
+    def check_queue_name(cls, url: str, name: str) -> None:
+        """Kafka topic names: letters, digits, '.', '-' and '_', 1 to 249 with
+        the prefix, not '.' or '..'."""
+        KafkaSettings.from_url(url, parse_params(url)).topic(name)
+
     def _where(self) -> str:
         return f"Kafka at {','.join(self.settings.bootstrap)}"
 
@@ -380,7 +386,14 @@ class KafkaBroker(Broker):
         if not batch:
             return []
         results: list[PublishResult | None] = [None] * len(batch)
-        topics = {q: self._topic(q) for q in {o.message.queue for o in batch}}
+        topics: dict[str, str] = {}
+        for i, out in enumerate(batch):
+            try:
+                topics[out.message.queue] = self._topic(out.message.queue)
+            except ValidationError as exc:  # no Kafka topic can have this name
+                results[i] = refused(out.message.job_id, exc)
+        if not topics:
+            return [r for r in results if r is not None]
         await self.ensure_topics(list(topics.values()))
         p = await self.producer()
         partitions_of: dict[str, list[int]] = {}
@@ -403,6 +416,8 @@ class KafkaBroker(Broker):
 
         for i, out in enumerate(batch):
             msg = out.message
+            if results[i] is not None:
+                continue
             if out.delay > 0:
                 results[i] = PublishResult(msg.job_id, False, error=(
                     "kafka:// cannot delay a message (max_delay is 0): the relay publishes "
@@ -412,10 +427,10 @@ class KafkaBroker(Broker):
             headers = [(k, v.encode()) for k, v in msg.header_map().items()]
             size = len(body) + sum(map(len, itertools.chain.from_iterable(headers)))
             if size > max_size:
-                results[i] = PublishResult(msg.job_id, False, error=(
-                    f"payload: the message is {size} bytes with its headers; this topic takes "
-                    f"at most {max_size} (max_message_size, which must "
-                    f"not exceed the topic's max.message.bytes)"))
+                results[i] = refused(msg.job_id, ValidationError(
+                    "payload", f"the message is {size} bytes with its headers; this topic "
+                    f"takes at most {max_size} (max_message_size, which must not exceed the "
+                    f"topic's max.message.bytes)"))
                 continue
             topic = topics[msg.queue]
             key = ordering_key(msg).encode()
@@ -468,7 +483,7 @@ class KafkaBroker(Broker):
             # its state): start over with a fresh producer next time.
             await self._reset_producer()
         if errors and all(r is not None and not r.ok for r in results) and \
-                not any(r is not None and r.error and r.error.startswith(("payload", "kafka://"))
+                not any(r is not None and (r.permanent or (r.error or "").startswith("kafka://"))
                         for r in results):
             raise BrokerError(f"{self._where()} refused the publish: {errors[0]}") from errors[0]
         return [r for r in results if r is not None]
@@ -687,7 +702,7 @@ class KafkaBroker(Broker):
                         gen = tracker.received(tp, m.offset)
                         self._in_flight += 1
                         self.received += 1
-                        yield delivery_from_body(
+                        yield self.delivery(
                             m.value or b"", raw=(tp, m.offset, gen, tracker),
                             extra={"queue": by_topic.get(tp.topic, tp.topic),
                                    "topic": tp.topic, "partition": tp.partition,
@@ -726,12 +741,13 @@ class KafkaBroker(Broker):
             return
         self._settle(delivery)
 
-    async def defer(self, delivery: Delivery, seconds: float) -> None:
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Kafka cannot hide a message: hold it here, its offset uncommitted,
         and hand it out again after ``seconds`` (a crash meanwhile redelivers
         it from Kafka)."""
         heapq.heappush(self._deferred, (time.monotonic() + max(0.0, seconds), next(self._seq),
                                         delivery))
+        return True
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Keep a message that is not a duebox message in ``PREFIX + dead-letter``."""

@@ -34,7 +34,7 @@ from .producer import (
     reschedule_steps,
     resolve_due,
 )
-from .registry import broker_class, check_broker_url, message_limit
+from .registry import broker_class, check_broker_url, check_queue_name, message_limit
 from .schedules import Schedules
 from .tasks import Handler, RetryPolicy, Task, validate_task_options
 
@@ -83,9 +83,12 @@ class Duebox:
 
     def configure(self, **changes: Any) -> None:
         """Change settings (``database_url=``, ``broker_url=``, ``batch_size=`` ...),
-        checked like the constructor's; ``None`` values are ignored."""
+        checked like the constructor's; ``None`` values are ignored.  A new
+        broker must be able to use every registered task's queue."""
         settings = self.settings.with_(**changes)
         check_broker_url(settings.broker_url)
+        for task in self.tasks.values():
+            check_queue_name(settings.broker_url, task.queue)
         if settings.database_url != self.settings.database_url and self._own_engine:
             self.dispose()
         self.settings = settings
@@ -155,6 +158,7 @@ class Duebox:
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
+        check_queue_name(self.settings.broker_url, queue)
         if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
             raise ConfigurationError(f"timeout: must be a number of seconds > 0 (got {timeout!r})")
         if max_lateness is not None and (not isinstance(max_lateness, int | float)
@@ -216,6 +220,7 @@ class Duebox:
     ) -> NewJob:
         """Validate one job's arguments; raises :class:`ValidationError` naming the field."""
         task = self.get_task(name)
+        check_queue_name(self.settings.broker_url, task.queue)
         due_at = resolve_due(self.clock.now(), at, delay)
         payload_json = encode_json(payload)
         size = json_size(payload_json)

@@ -27,6 +27,7 @@ from sqlalchemy.sql import Executable
 from .db import NOTIFY_CHANNEL, insert_if_absent
 from .errors import JobNotFoundError, JobStateError, ValidationError
 from .ids import parse_job_id, uuid7, uuid7_many
+from .message import PAYLOAD_MAX_DEPTH, too_deep
 from .states import ACTIVE_STATES, RESCHEDULABLE_STATES, JobState
 from .tables import audit, job, shard_of
 
@@ -151,11 +152,16 @@ _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
 def encode_json(payload: object, field: str = "payload") -> str:
-    """The JSON text of ``payload``; refuses what JSON cannot carry faithfully."""
+    """The JSON text of ``payload``; refuses what JSON cannot carry faithfully,
+    and what a worker would refuse to decode (nested too deep)."""
     try:
-        return _ENCODER.encode(payload)
+        text: str = _ENCODER.encode(payload)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValidationError(field, f"must be JSON-serialisable ({exc})") from None
+    if too_deep(text, PAYLOAD_MAX_DEPTH):
+        raise ValidationError(field, f"must nest at most {PAYLOAD_MAX_DEPTH} levels deep "
+                              "(workers refuse deeper messages unread)")
+    return text
 
 
 def json_size(text: str) -> int:

@@ -47,7 +47,7 @@ from duebox import MissingDependencyError, jobstore
 from duebox.brokers.base import BrokerContext, Outgoing
 from duebox.brokers.kafka import KafkaBroker, _Tracker
 from duebox.clock import SystemClock
-from duebox.errors import BrokerError, ConfigurationError
+from duebox.errors import ConfigurationError, ValidationError
 from duebox.message import JobMessage
 from duebox.registry import broker_class
 
@@ -109,7 +109,7 @@ def test_url_parameters_and_capabilities() -> None:
     for bad in ("kafka://", "kafka://h:x", "kafka://h:70000"):
         with pytest.raises(ConfigurationError):
             cls(bad, ctx)
-    with pytest.raises(BrokerError, match="249"):
+    with pytest.raises(ValidationError, match="249"):
         b.settings.topic("x" * 250)
 
 

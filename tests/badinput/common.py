@@ -11,6 +11,8 @@ import pytest
 from helpers import duebox_row_counts
 from sqlalchemy import Engine
 
+from duebox import JobMessage, MessageDecodeError
+
 # For checks that refuse before any SQL is sent, where a second database
 # would only add minutes: the tests that do write run on PostgreSQL too.
 SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -40,3 +42,11 @@ def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
     with engine.connect() as conn:
         return {t.name: sorted(tuple(map(repr, r)) for r in conn.execute(t.select()))
                 for t in duebox.metadata.sorted_tables}
+
+
+def decode_or_field(raw: bytes) -> JobMessage | str:
+    """The message, or the name of the field decode refused."""
+    try:
+        return JobMessage.decode(raw)
+    except MessageDecodeError as exc:
+        return exc.field
