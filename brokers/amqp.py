@@ -68,6 +68,9 @@ OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "conf
 # RabbitMQ's default max_message_size (3.8+): larger messages close the channel.
 PAYLOAD_LIMIT = 128 * 1024 * 1024
 _YIELD_EVERY = 64
+# Ended consumer channels kept open for late acks; beyond this the oldest is
+# closed (the broker redelivers what it still held; the worker drops it).
+_RETIRED_MOST = 4
 
 
 class AMQPBroker(Broker):
@@ -105,6 +108,9 @@ class AMQPBroker(Broker):
         self._publisher: Publisher | None = None
         self._declared: set[str] = set()
         self._log = CollapsedLog(log)
+        # Consumer channels whose consumption ended, kept open for the acks
+        # of the deliveries still being handled (see _stop_consuming).
+        self._retired: list[Channel] = []
 
     @classmethod
     def check_queue_name(cls, url: str, name: str) -> None:
@@ -120,6 +126,7 @@ class AMQPBroker(Broker):
     async def close(self) -> None:
         link, self._link = self._link, None
         self._admin = self._publisher = None
+        self._retired.clear()
         if link is not None:
             await link.close()
 
@@ -282,12 +289,30 @@ class AMQPBroker(Broker):
             finally:
                 if getter is not None:
                     getter.cancel()
-                if chan.is_open:
-                    with contextlib.suppress(Exception):
-                        chan.ch.close()
+                self._stop_consuming(chan, inbox)
                 self._declared.difference_update(names)  # a deleted queue is declared again
             self._log.warning("channel-closed", "RabbitMQ consumer channel closed (%s); "
                               "consuming again", describe(chan.closed.result()))
+
+    def _stop_consuming(self, chan: Channel, inbox: asyncio.Queue[Delivery]) -> None:
+        """Consumption ends (the worker stops, or consumes afresh): RabbitMQ
+        stops sending, and what it sent that was never handed out goes back
+        at once.  The channel stays open until close(): the deliveries still
+        being handled are acked on it when their jobs finish.  Closing it here
+        (before them) left the last finished jobs' messages in the queue, to
+        be delivered again to the next worker."""
+        if not chan.is_open:
+            return
+        self._retired.append(chan)
+        while len(self._retired) > _RETIRED_MOST:  # unsettled that long: redelivered
+            with contextlib.suppress(Exception):
+                self._retired.pop(0).ch.close()
+        with contextlib.suppress(Exception):
+            for tag in list(chan.ch.consumer_tags):
+                chan.ch.basic_cancel(tag)
+        while not inbox.empty():
+            delivery = inbox.get_nowait()
+            chan.requeue(delivery.raw[1])
 
     async def _start_consuming(self, names: list[str], prefetch: int
                                ) -> tuple[Channel, asyncio.Queue[Delivery]]:
@@ -299,6 +324,9 @@ class AMQPBroker(Broker):
         inbox: asyncio.Queue[Delivery] = asyncio.Queue()
 
         def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
+            if chan in self._retired:  # sent before RabbitMQ saw the cancel
+                chan.requeue(method.delivery_tag)
+                return
             # An exception here escapes into pika's I/O callback and drops the
             # connection, and the message comes back, forever: self.delivery()
             # never raises, whatever the body holds.

@@ -277,6 +277,8 @@ class KafkaBroker(Broker):
         # the consume() generator was abandoned without being closed.
         self._consumers: set[Any] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Consumers of ended consume() calls, kept to commit late acks.
+        self._draining: list[tuple[Any, _Tracker]] = []
         self._deferred: list[tuple[float, int, Delivery]] = []
         self._seq = itertools.count()
         self.received = 0
@@ -300,6 +302,7 @@ class KafkaBroker(Broker):
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._finish_draining()
         clients = (self._producer, self._probe, *self._consumers)
         self._consumers.clear()
         self._producer = self._probe = None
@@ -610,15 +613,18 @@ class KafkaBroker(Broker):
             except (KafkaError, OSError, _Truncated) as exc:
                 failed = exc
             finally:
-                if failed is None:  # a clean stop: commit what finished
+                if failed is None:
+                    # A clean stop: commit what finished, and keep the
+                    # consumer until close() to commit what is still being
+                    # handled (stopped here, before those, their messages were
+                    # delivered again to the next worker).
                     with contextlib.suppress(KafkaError, OSError):
                         await tracker.commit()
-                # After a failure nothing is committed: the cluster may be a
-                # new one, where these positions would skip its messages.
-                tracker.consumer = None
-                self._consumers.discard(consumer)
-                await _stop_quietly(consumer)
-                self._tracker = None
+                    self._draining.append((consumer, tracker))
+                else:
+                    # After a failure nothing is committed: the cluster may be
+                    # a new one, where these positions would skip its messages.
+                    await self._retire(consumer, tracker)
             # The group or the cluster went away (a broker restart, a
             # coordinator that forgot the group): join again.
             log.warning("consuming from %s failed (%s); joining the group again in %.1fs",
@@ -627,7 +633,25 @@ class KafkaBroker(Broker):
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
 
+    async def _retire(self, consumer: Any, tracker: _Tracker) -> None:
+        tracker.consumer = None
+        self._consumers.discard(consumer)
+        await _stop_quietly(consumer)
+        if self._tracker is tracker:
+            self._tracker = None
+
+    async def _finish_draining(self) -> None:
+        """Commit what the consumers of ended consume() calls saw finish
+        since, then stop them (close(), or a new consume(): an idle member
+        of the group would hold partitions nobody reads)."""
+        draining, self._draining = self._draining, []
+        for consumer, tracker in draining:
+            with contextlib.suppress(KafkaError, OSError):
+                await tracker.commit()
+            await self._retire(consumer, tracker)
+
     async def _start_consumer(self, topics: list[str]) -> tuple[Any, _Tracker]:
+        await self._finish_draining()
         tracker = _Tracker(self)
         c = AIOKafkaConsumer(**self.settings.client_options(self.client_id),
                              group_id=self.settings.group, enable_auto_commit=False,
