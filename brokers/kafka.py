@@ -48,10 +48,11 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from duebox.errors import BrokerError, MissingDependencyError, ValidationError
+from duebox.logs import CollapsedLog, kind_of
 
 from ._common import ordering_key
 from .base import (
@@ -65,11 +66,11 @@ from .base import (
     parse_params,
     refused,
 )
+from .kafka_offsets import OffsetTracker, Truncated
 from .kafka_settings import KafkaSettings
 
 try:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-    from aiokafka.abc import ConsumerRebalanceListener
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import (
         IncompatibleBrokerVersion,
@@ -77,7 +78,6 @@ try:
         TopicAlreadyExistsError,
         UnsupportedVersionError,
     )
-    from aiokafka.structs import OffsetAndMetadata
 except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
     raise MissingDependencyError("aiokafka", "kafka") from exc
 
@@ -143,95 +143,6 @@ _DEAD_LETTER = "dead-letter"
 _COMMIT_EVERY = 0.2  # seconds between offset commits while messages finish
 
 
-@dataclass
-class _Partition:
-    """Offsets of one assigned partition: received and not finished ones, and
-    the next offset after the last one received."""
-
-    generation: int
-    pending: set[int] = field(default_factory=set)
-    upto: int = -1  # next offset after the highest received
-    committed: int = -1
-
-    def position(self) -> int:
-        """What may be committed: everything below it is finished."""
-        return min(self.pending) if self.pending else self.upto
-
-
-class _Truncated(Exception):
-    """A consumed partition was truncated: start the consumer over."""
-
-
-class _Tracker(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Which offsets may be committed, per partition, across rebalances."""
-
-    def __init__(self, broker: KafkaBroker) -> None:
-        self.broker = broker
-        self.parts: dict[Any, _Partition] = {}
-        self.generations = itertools.count(1)
-        self.dirty = asyncio.Event()
-        self.consumer: Any = None
-        self.truncated = False
-
-    def received(self, tp: Any, offset: int) -> int:
-        part = self.parts.get(tp)
-        if part is None:
-            part = self.parts[tp] = _Partition(next(self.generations))
-        part.pending.add(offset)
-        part.upto = max(part.upto, offset + 1)
-        return part.generation
-
-    def finished(self, tp: Any, offset: int, generation: int) -> bool:
-        part = self.parts.get(tp)
-        if part is None or part.generation != generation:
-            return False  # the partition moved to another consumer meanwhile
-        part.pending.discard(offset)
-        self.dirty.set()
-        return True
-
-    def to_commit(self, tps: Sequence[Any] | None = None) -> dict[Any, Any]:
-        out = {}
-        for tp, part in self.parts.items():
-            if tps is not None and tp not in tps:
-                continue
-            pos = part.position()
-            if pos >= 0 and pos != part.committed:
-                out[tp] = (part, pos)
-        return out
-
-    async def commit(self, tps: Sequence[Any] | None = None) -> None:
-        """Commit finished positions.  A position beyond the partition's end
-        means the partition was truncated under us (the topic was deleted or
-        the cluster replaced): nothing is committed then and the consumer
-        starts over, or it would skip the new incarnation's first messages."""
-        todo = self.to_commit(tps)
-        if not todo or self.consumer is None:
-            return
-        try:
-            ends = await self.consumer.end_offsets(list(todo))
-            if any(ends.get(tp, 0) < pos for tp, (_, pos) in todo.items()):
-                self.truncated = True
-                return
-            await self.consumer.commit({tp: OffsetAndMetadata(pos, "")
-                                        for tp, (_, pos) in todo.items()})
-        except KafkaError as exc:
-            log.info("offset commit failed (%s); the messages may be delivered again", exc)
-            if "UnknownTopicOrPartition" in type(exc).__name__:
-                self.truncated = True
-            return
-        for part, pos in todo.values():
-            part.committed = pos
-
-    async def on_partitions_revoked(self, revoked: Any) -> None:
-        await self.commit(list(revoked))
-        for tp in revoked:
-            self.parts.pop(tp, None)
-        self.broker._freed.set()
-
-    async def on_partitions_assigned(self, assigned: Any) -> None:
-        return None
-
-
 class KafkaBroker(Broker):
     capabilities = Capabilities(
         name="kafka",
@@ -272,13 +183,14 @@ class KafkaBroker(Broker):
         self._freed = asyncio.Event()
         self._in_flight = 0
         self._lock = asyncio.Lock()
-        self._tracker: _Tracker | None = None
+        self._tracker: OffsetTracker | None = None
         # Consumers and their committer tasks, stopped by close() even when
         # the consume() generator was abandoned without being closed.
         self._consumers: set[Any] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         # Consumers of ended consume() calls, kept to commit late acks.
-        self._draining: list[tuple[Any, _Tracker]] = []
+        self._draining: list[tuple[Any, OffsetTracker]] = []
+        self._log = CollapsedLog(log)
         self._deferred: list[tuple[float, int, Delivery]] = []
         self._seq = itertools.count()
         self.received = 0
@@ -369,11 +281,16 @@ class KafkaBroker(Broker):
         except (IncompatibleBrokerVersion, UnsupportedVersionError) as exc:
             log.debug("%s cannot CreateTopics (%s); relying on auto-creation", self._where(),
                       exc)
-        except (KafkaError, OSError) as exc:
-            log.warning("%s: creating topics %s failed (%s); relying on auto-creation",
-                        self._where(), topics, exc)
+        except Exception as exc:
+            # Best effort, whatever the client raises: aiokafka's admin client
+            # raised AttributeError ("'NoneType' object has no attribute
+            # 'nodeId'") while the cluster reported no controller, and the
+            # relay exited on it.
+            self._log.warning(f"create:{kind_of(exc)}", "%s: creating topics %s failed (%s: "
+                              "%s); relying on auto-creation", self._where(), topics,
+                              type(exc).__name__, exc)
         finally:
-            with contextlib.suppress(KafkaError, OSError):
+            with contextlib.suppress(Exception):
                 await admin.close()
 
     # --- relay side --------------------------------------------------------------
@@ -598,8 +515,8 @@ class KafkaBroker(Broker):
                 await self.ensure_topics(topics)
                 consumer, tracker = await self._start_consumer(topics)
             except BrokerError as exc:
-                log.warning("cannot consume from %s (%s); retrying in %.1fs", self._where(),
-                            exc, backoff)
+                self._log.warning("consume", "cannot consume from %s (%s); retrying in %.1fs",
+                                  self._where(), exc, backoff)
                 # Jittered: workers re-joining in step would keep rebalancing
                 # each other.
                 await asyncio.sleep(backoff * (0.5 + random.random()))
@@ -610,7 +527,7 @@ class KafkaBroker(Broker):
                 async for d in self._read(consumer, tracker, by_topic, prefetch):
                     backoff = 0.2
                     yield d
-            except (KafkaError, OSError, _Truncated) as exc:
+            except (KafkaError, OSError, Truncated) as exc:
                 failed = exc
             finally:
                 if failed is None:
@@ -627,13 +544,13 @@ class KafkaBroker(Broker):
                     await self._retire(consumer, tracker)
             # The group or the cluster went away (a broker restart, a
             # coordinator that forgot the group): join again.
-            log.warning("consuming from %s failed (%s); joining the group again in %.1fs",
-                        self._where(), failed, backoff)
+            self._log.warning("rejoin", "consuming from %s failed (%s); joining the group "
+                              "again in %.1fs", self._where(), failed, backoff)
             self._topics.clear()  # a new cluster may need them created again
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
 
-    async def _retire(self, consumer: Any, tracker: _Tracker) -> None:
+    async def _retire(self, consumer: Any, tracker: OffsetTracker) -> None:
         tracker.consumer = None
         self._consumers.discard(consumer)
         await _stop_quietly(consumer)
@@ -650,9 +567,9 @@ class KafkaBroker(Broker):
                 await tracker.commit()
             await self._retire(consumer, tracker)
 
-    async def _start_consumer(self, topics: list[str]) -> tuple[Any, _Tracker]:
+    async def _start_consumer(self, topics: list[str]) -> tuple[Any, OffsetTracker]:
         await self._finish_draining()
-        tracker = _Tracker(self)
+        tracker = OffsetTracker(self._freed)
         c = AIOKafkaConsumer(**self.settings.client_options(self.client_id),
                              group_id=self.settings.group, enable_auto_commit=False,
                              auto_offset_reset="earliest",
@@ -675,7 +592,7 @@ class KafkaBroker(Broker):
         self._tracker = tracker
         return c, tracker
 
-    async def _read(self, consumer: Any, tracker: _Tracker, by_topic: dict[str, str],
+    async def _read(self, consumer: Any, tracker: OffsetTracker, by_topic: dict[str, str],
                     prefetch: int) -> AsyncIterator[Delivery]:
         committer = asyncio.create_task(self._committer(tracker))
         self._tasks.add(committer)
@@ -695,7 +612,7 @@ class KafkaBroker(Broker):
                     consumer.resume(*consumer.assignment())
                     paused = False
                 if tracker.truncated:
-                    raise _Truncated("a partition holds fewer messages than were read from "
+                    raise Truncated("a partition holds fewer messages than were read from "
                                      "it: the topic was deleted or the cluster replaced")
                 wait = 1.0
                 if self._deferred:
@@ -736,7 +653,7 @@ class KafkaBroker(Broker):
             committer.cancel()
             await asyncio.gather(committer, return_exceptions=True)
 
-    async def _committer(self, tracker: _Tracker) -> None:
+    async def _committer(self, tracker: OffsetTracker) -> None:
         while True:
             await tracker.dirty.wait()
             tracker.dirty.clear()

@@ -53,6 +53,7 @@ from duebox.errors import (
     MissingDependencyError,
     ValidationError,
 )
+from duebox.logs import CollapsedLog
 
 from ._waiting import wait_any
 from .base import (
@@ -352,6 +353,7 @@ class RedisBroker(Broker):
         # script call per queue (a round trip per ack cost a quarter of a
         # busy worker's CPU).
         self._acks: dict[str, Batched[tuple[str, str], None]] = {}
+        self._log = CollapsedLog(log)
 
     @classmethod
     def check_queue_name(cls, url: str, name: str) -> None:
@@ -557,8 +559,8 @@ class RedisBroker(Broker):
                     continue
                 except RedisError as exc:
                     _reraise_lost_cancel()
-                    log.warning("%s: read failed (%s); retrying in %.1fs",
-                                self._where(), exc, backoff)
+                    self._log.warning("read", "%s: read failed (%s); retrying in %.1fs",
+                                      self._where(), exc, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
@@ -665,8 +667,8 @@ class RedisBroker(Broker):
                     backoff = 0.1
                 except RedisError as exc:
                     _reraise_lost_cancel()
-                    log.warning("%s: mover failed (%s); retrying in %.1fs",
-                                self._where(), exc, backoff)
+                    self._log.warning("mover", "%s: mover failed (%s); retrying in %.1fs",
+                                      self._where(), exc, backoff)
                     await wait_any(backoff, stop)
                     backoff = min(backoff * 2, 5.0)
         finally:
@@ -730,7 +732,7 @@ class RedisBroker(Broker):
         except RedisError as exc:
             # The entry stays pending; it is taken over after claim_idle and
             # the redelivery is discarded by the version check.
-            log.warning("%s: ack of %s failed: %s", self._where(), entry, exc)
+            self._log.warning("ack", "%s: ack of %s failed: %s", self._where(), entry, exc)
 
     async def _ack_many(self, k: _Keys, acks: list[tuple[str, str]]) -> list[None]:
         """XACK + XDEL each (stream entry, job id), and drop the job's index
@@ -764,5 +766,5 @@ class RedisBroker(Broker):
                             [self.settings.group, entry, job or str(msg.job_id), msg.version,
                              score, msg.encode(), k.wake])
         except RedisError as exc:
-            log.warning("%s: defer of %s failed: %s", self._where(), entry, exc)
+            self._log.warning("defer", "%s: defer of %s failed: %s", self._where(), entry, exc)
         return True

@@ -64,6 +64,7 @@ from duebox.errors import (
     MissingDependencyError,
     ValidationError,
 )
+from duebox.logs import CollapsedLog
 from duebox.message import JobMessage
 
 from ._common import ordering_key, safe_token
@@ -220,6 +221,7 @@ class SQSBroker(Broker):
         # the consume() generator was abandoned without being closed.
         self._tasks: set[asyncio.Task[None]] = set()
         self.received = 0  # messages received by this broker (tests, metrics)
+        self._log = CollapsedLog(log)
 
     @classmethod
     def check_queue_name(cls, url: str, name: str) -> None:
@@ -636,8 +638,8 @@ class SQSBroker(Broker):
             except BrokerError as exc:
                 if isinstance(exc.__cause__, NoCredentialsError):
                     raise
-                log.warning("%s: receiving from %r failed (%s); retrying in %.1fs",
-                            self._where(), queue, exc, backoff)
+                self._log.warning(f"receive:{queue}", "%s: receiving from %r failed (%s); "
+                                  "retrying in %.1fs", self._where(), queue, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -725,7 +727,8 @@ class SQSBroker(Broker):
         if error:
             # The message reappears after its visibility timeout and is
             # discarded by the version check.
-            log.warning("%s: deleting a message failed: %s", self._where(), error)
+            self._log.warning("delete", "%s: deleting a message failed: %s", self._where(),
+                              error)
 
     async def _flush_deletes(self, url: str) -> None:
         pending = self._deletes.pop(url, None)

@@ -209,6 +209,7 @@ class Worker:
                         self._room.clear()
                         await self._room.wait()
                     self._in_hand += 1
+                    self._log.flush()  # counts of errors that stopped a while ago
                     t = asyncio.create_task(self._guarded(delivery))
                     self._tasks.add(t)
                     t.add_done_callback(self._tasks.discard)

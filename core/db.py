@@ -27,6 +27,7 @@ from .errors import (
     MissingDependencyError,
     PermissionDeniedError,
 )
+from .logs import CollapsedLog
 from .message import lenient_json
 
 log = logging.getLogger("duebox.db")
@@ -313,6 +314,7 @@ class PgWaker:
         self._channel = channel
         self.event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._log = CollapsedLog(log)
 
     async def start(self) -> None:
         if self._url.get_backend_name() != "postgresql":
@@ -335,7 +337,8 @@ class PgWaker:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
+                self._log.warning("listen", "LISTEN connection lost (%s); polling until it is "
+                                  "back", exc)
                 await asyncio.sleep(1.0)
 
     async def stop(self) -> None:

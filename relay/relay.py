@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from duebox import jobstore
 from duebox.brokers.base import Broker, Outgoing, open_broker
 from duebox.db import PgWaker, db_errors, parse_database_url
-from duebox.errors import BrokerError, ConfigurationError, DatabaseError, DueboxError
+from duebox.errors import ConfigurationError, DatabaseError, DueboxError
 from duebox.heartbeat import ProcessHeartbeat, prune
 from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
@@ -488,11 +488,12 @@ class Relay:
         started = time.monotonic()
         try:
             results = await self.broker.publish(batch)
-        except BrokerError as exc:
+        except Exception as exc:  # an outage, or any client's own exception
             self.scale.backpressure.observe(len(batch), time.monotonic() - started, error=True)
-            self._log.warning(f"publish:{kind_of(exc)}", "publish of %d jobs failed: %s",
-                              len(batch), exc)
+            self._log.warning(f"publish:{kind_of(exc)}", "publish of %d jobs failed: %s: %s",
+                              len(batch), type(exc).__name__, exc)
             stats.failed += len(batch)
+            # Back at once, not after their leases: the next pass tries again.
             await asyncio.to_thread(self._db, jobstore.release, owner, [r.id for r in records])
             raise
         ok = [r.job_id for r in results if r.ok]

@@ -8,12 +8,17 @@ PostgreSQL and each real broker, against what issue #17 found:
   unknown jobs, JSON nested 1,000 and 5,000 deep and garbage, written into
   the broker beside 10 real jobs: all 10 run once and on time, the bad
   messages leave the broker, and neither process exits or fills its log.
+* A 6 s database outage wrote ~12,000 traceback lines and an 8 s RabbitMQ cut
+  ~1,400: here the processes reach PostgreSQL, or RabbitMQ, through a TCP
+  proxy that is cut while jobs are due; each kind of error shows as one line
+  per interval, with a count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -21,10 +26,11 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import sqlalchemy as sa
-from backends import Keys, with_params
+from backends import AMQP, Keys, with_params
 from badinput.real_brokers import BACKENDS, real_broker
 from helpers import Running, all_final, create_effects, effect_rows, wait_for
 from hostile import Forger, hostile_mix
@@ -34,6 +40,7 @@ from test_processes import Procs as ProcessSet
 import duebox
 from duebox.metrics import Metrics
 from duebox.tables import job
+from tests.soak.proxy import Proxy
 
 pytestmark = pytest.mark.slow
 
@@ -220,3 +227,87 @@ async def test_hostile_messages_beside_real_jobs_with_real_processes(
             assert len(log.splitlines()) <= 10, log  # one line per reason, not per message
         finally:
             await app.adispose()
+
+
+# --- outages: one line per kind of error, not one per delivery ---------------------------
+
+
+def close(proxy: Proxy) -> None:
+    proxy.close()
+    if proxy.proc is not None:  # its pipes too: the warnings are errors here
+        for pipe in (proxy.proc.stdin, proxy.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def through(proxy: Proxy, url: str) -> str:
+    """``url`` with its host and port replaced by the proxy's."""
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    netloc = f"{auth}@127.0.0.1:{proxy.port}" if auth else f"127.0.0.1:{proxy.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def lines(text: str) -> list[str]:
+    """Log lines, without the tracebacks' continuation lines."""
+    return [ln for ln in text.splitlines() if re.match(r"\d{4}-\d\d-\d\d ", ln)]
+
+
+async def logs_through_an_outage(procs: Procs, proxy: Proxy, database_url: str,
+                                 broker: str, seconds: float, cut: str) -> dict[str, str]:
+    """Run a relay and a worker (their ``cut`` connection, ``database`` or
+    ``broker``, through ``proxy``), cut it for ``seconds`` while 200 jobs
+    fall due, and return their logs once every job ran exactly once."""
+    app = app_for(database_url, broker)
+    try:
+        db = through(proxy, database_url) if cut == "database" else database_url
+        for role in ("relay", "worker"):
+            procs.start(role, db, broker, role)
+        [first] = schedule(app, 1)
+        await wait_for(lambda: all_final(app.engine, [first]), timeout=60,
+                       what="a first job", check=procs.check)
+        ids = schedule(app, 200, delay=1.5)
+        await asyncio.sleep(1.0)  # published (delayed) by now; due during the cut
+        proxy.set_mode("cut")
+        try:
+            await asyncio.sleep(seconds)
+            procs.check()
+        finally:
+            proxy.set_mode("pass")
+        await wait_for(lambda: all_final(app.engine, ids), timeout=120,
+                       what="every job after the outage", check=procs.check)
+        assert len(effect_rows(app.engine)) == len(ids) + 1
+        return {role: procs.whole_log(role) for role in ("relay", "worker")}
+    finally:
+        close(proxy)
+        await app.adispose()
+
+
+@POSTGRES
+async def test_a_database_outage_is_logged_once_per_kind_not_per_delivery(
+        database_url: str, amqp_vhost: str, procs: Procs) -> None:
+    """On 785e5fa a 6 s cut wrote 29,863 worker log lines (675 tracebacks)."""
+    parts = urlsplit(database_url)
+    proxy = Proxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    proxy.start()
+    broker = with_params(amqp_vhost, prefix=f"p{uuid.uuid4().hex[:8]}")
+    logs = await logs_through_an_outage(procs, proxy, database_url, broker, 6.0, "database")
+    for log in logs.values():
+        assert len(lines(log)) <= 20, log[-5000:]
+        assert log.count("Traceback") <= 3, log[-5000:]
+
+
+@POSTGRES
+async def test_a_broker_cut_is_logged_once_per_kind_not_per_attempt(
+        database_url: str, amqp_vhost: str, procs: Procs) -> None:
+    """On 785e5fa an 8 s cut wrote 86 relay and 76 worker log lines, mostly
+    pika's nine lines per failed connection attempt."""
+    amqp = urlsplit(AMQP)
+    proxy = Proxy(amqp.hostname or "127.0.0.1", amqp.port or 5672)
+    proxy.start()
+    broker = with_params(through(proxy, AMQP.rstrip("/")) + urlsplit(amqp_vhost).path,
+                         prefix=f"p{uuid.uuid4().hex[:8]}")
+    logs = await logs_through_an_outage(procs, proxy, database_url, broker, 8.0, "broker")
+    for log in logs.values():
+        assert len(lines(log)) <= 30, log[-5000:]
+        assert log.count("Traceback") <= 3, log[-5000:]

@@ -45,7 +45,8 @@ from helpers import (
 import duebox
 from duebox import MissingDependencyError, jobstore
 from duebox.brokers.base import BrokerContext, Outgoing
-from duebox.brokers.kafka import KafkaBroker, _Tracker
+from duebox.brokers.kafka import KafkaBroker
+from duebox.brokers.kafka_offsets import OffsetTracker
 from duebox.clock import SystemClock
 from duebox.errors import ConfigurationError, ValidationError
 from duebox.message import JobMessage
@@ -126,8 +127,7 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 async def test_offsets_commit_only_up_to_the_oldest_unfinished() -> None:
-    b = broker_class("kafka://h:1")("kafka://h:1", context())
-    tracker = _Tracker(b)
+    tracker = OffsetTracker(asyncio.Event())
     committed: list[dict[Any, int]] = []
 
     ends = {"p0": 100}

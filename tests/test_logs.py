@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from duebox.logs import CollapsedLog, kind_of
+from duebox.logs import CollapsedLog, CollapsingFilter, kind_of
 
 
 class Clock:
@@ -57,9 +57,12 @@ def test_flush_reports_the_repeats_left_uncounted(caplog: pytest.LogCaptureFixtu
         for n in range(5):
             clock.now += 1
             log.warning("pass", "relay pass failed (%s)", n)
+            log.flush()  # within the interval: the repeats wait
+        clock.now += 30
         log.flush()
         log.flush()
-    assert lines(caplog) == ["relay pass failed (0)", "relay pass failed (4) [4 like this in 4s]"]
+    assert lines(caplog) == ["relay pass failed (0)",
+                             "relay pass failed (4) [4 like this in 34s]"]
 
 
 def test_a_traceback_is_written_the_first_time_only(caplog: pytest.LogCaptureFixture,
@@ -84,3 +87,35 @@ def test_the_kind_of_a_wrapped_driver_error_names_both() -> None:
     wrapped.__cause__ = ConnectionResetError()
     assert kind_of(wrapped) == "BrokerError<ConnectionResetError>"
     assert kind_of(ValueError()) == "ValueError"
+
+
+def test_a_librarys_repeated_records_pass_once_per_interval_with_a_count(
+        caplog: pytest.LogCaptureFixture, clock: Clock) -> None:
+    """As pika's: one logger, the same template, different arguments."""
+    logger = logging.getLogger("t.library.connection")
+    collapsing = CollapsingFilter(interval=30, clock=clock)
+    logger.addFilter(collapsing)
+    try:
+        with caplog.at_level(logging.ERROR, "t.library.connection"):
+            for attempt in range(15):
+                clock.now += 0.5
+                try:
+                    raise ConnectionRefusedError(attempt)
+                except ConnectionRefusedError:
+                    logger.exception("connection_lost: %r", attempt)
+                logger.error("Probably incompatible Protocol Versions")
+            clock.now += 30
+            logger.error("connection_lost: %r", "again")
+    finally:
+        logger.removeFilter(collapsing)
+    assert lines(caplog) == ["connection_lost: 0", "Probably incompatible Protocol Versions",
+                             "connection_lost: 'again' [14 more like this in 37s]"]
+    assert caplog.records[0].exc_info is not None
+
+
+def test_pika_logs_are_collapsed_on_every_pika_logger() -> None:
+    from duebox.brokers.amqp_link import PIKA_LOGS
+
+    for name in ("pika.adapters.base_connection", "pika.connection",
+                 "pika.adapters.utils.connection_workflow"):
+        assert PIKA_LOGS in logging.getLogger(name).filters
