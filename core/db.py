@@ -58,6 +58,10 @@ def create_sync_engine(url: str | URL, **kw: Any) -> Engine:
             return _sqlite_engine(parsed, **kw)
         kw.setdefault("pool_size", 10)
         kw.setdefault("max_overflow", 20)
+        # A JSON value that does not parse, or nests too deep to parse safely
+        # (a row edited by hand: PostgreSQL's JSONB takes 5,000 levels), must
+        # not make a claim raise (see message.lenient_json).
+        kw.setdefault("json_deserializer", lenient_json)
         engine = create_engine(parsed, **kw)
         if not kw.get("pool_pre_ping"):
             ping_when_idle(engine)
@@ -88,7 +92,7 @@ def create_async_engine_for(url: str | URL) -> AsyncEngine:
             event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
             event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
             return engine
-        async_engine = create_async_engine(parsed)
+        async_engine = create_async_engine(parsed, json_deserializer=lenient_json)
         ping_when_idle(async_engine.sync_engine)
         return async_engine
     except ModuleNotFoundError as exc:

@@ -43,6 +43,10 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 MAX_JSON_DEPTH = 200
 PAYLOAD_MAX_DEPTH = MAX_JSON_DEPTH - 1  # the envelope object is the first level
+# A JSON column read from the database (a payload, a checkpoint) may nest this
+# deep; a row nested deeper (written by hand) reads as UndecodableJSON.  Far
+# enough below the parser's recursion limit from any thread's stack.
+STORED_MAX_DEPTH = 500
 # The largest body decode() parses when the broker names no limit of its own
 # (memory://): Redis's string limit, the largest any backend carries.
 MAX_BODY_BYTES = 512 * 1024 * 1024
@@ -101,7 +105,7 @@ def lenient_json(text: str | bytes) -> Any:
     nests too deep to parse safely) becomes an :class:`UndecodableJSON`
     instead of an exception in a claim."""
     try:
-        if not too_deep(text):
+        if not too_deep(text, STORED_MAX_DEPTH):
             return json.loads(text)
     except (ValueError, RecursionError):
         pass
@@ -110,7 +114,9 @@ def lenient_json(text: str | bytes) -> Any:
 
 def check_stored_payload(payload: object) -> None:
     if isinstance(payload, UndecodableJSON):
-        raise MessageDecodeError("payload", "the stored value is not valid JSON", str(payload))
+        raise MessageDecodeError(
+            "payload", f"the stored value is not valid JSON (or nests more than "
+            f"{STORED_MAX_DEPTH} levels deep)", str(payload)[:100])
 
 
 @dataclass(frozen=True, slots=True)

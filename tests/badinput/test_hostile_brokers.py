@@ -18,6 +18,7 @@ import uuid
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from helpers import (
     Running,
     all_final,
@@ -181,3 +182,31 @@ def queue_exists(vhost: str, name: str) -> bool:
     finally:
         if conn.is_open:
             conn.close()
+
+
+async def test_a_row_nested_too_deep_is_dead_lettered_on_the_sql_path(database_url: str) -> None:
+    """On ``sql://`` the row is the message.  A payload nested 5,000 deep,
+    written by hand (PostgreSQL's JSONB takes it), made the worker's claim
+    raise RecursionError; it is dead-lettered with the reason and the next
+    job runs."""
+    app = make_app(database_url)
+    try:
+        deep = schedule_committed(app, "effect")
+        with app.engine.begin() as conn:
+            cast = "CAST(:p AS JSONB)" if conn.dialect.name == "postgresql" else ":p"
+            conn.execute(sa.text(f"UPDATE duebox_job SET payload = {cast} WHERE id = :id"),
+                         {"p": deep_json(5000).decode(),
+                          "id": deep if conn.dialect.name == "postgresql" else deep.hex})
+        async with Running(app, relays=0) as r:
+            real = schedule_committed(app, "effect")
+            await r.wait(lambda: all_final(app.engine, [real]), timeout=30,
+                         what="the real job to run")
+            await r.wait(lambda: all_final(app.engine, [deep], "DEAD"), timeout=30,
+                         what="the deep row to be dead-lettered")
+        row = job_row(app.engine, deep)
+        assert row.error_class == "permanent"
+        assert row.last_error.startswith("payload: the stored value is not valid JSON")
+        assert "levels deep" in row.last_error
+        assert set(effect_rows(app.engine)) == {str(real)}
+    finally:
+        await app.adispose()

@@ -21,6 +21,7 @@ from duebox.brokers.base import delivery_from_body
 from duebox.message import (
     MAX_JSON_DEPTH,
     PAYLOAD_MAX_DEPTH,
+    STORED_MAX_DEPTH,
     UndecodableJSON,
     lenient_json,
     too_deep,
@@ -168,6 +169,7 @@ def test_nul_surrogates_and_control_characters_in_fields(field: str, value: str)
 def test_a_stored_value_nested_too_deep_reads_as_undecodable_not_an_exception() -> None:
     """A row written by hand (sql:// reads rows, not messages) must not make
     the claim raise: it dead-letters with the reason instead."""
-    for text in (deep_json(5000).decode(), "[" * 5000, nested(MAX_JSON_DEPTH + 1, "{")):
+    for text in (deep_json(5000).decode(), "[" * 5000, nested(STORED_MAX_DEPTH + 1, "{")):
         assert isinstance(lenient_json(text), UndecodableJSON)
-    assert lenient_json(nested(50, "[{")) == json.loads(nested(50, "[{"))
+    assert lenient_json(nested(STORED_MAX_DEPTH, "[{")) == json.loads(
+        nested(STORED_MAX_DEPTH, "[{"))
