@@ -723,10 +723,9 @@ def check_early(conn: Connection, messages: Sequence[JobMessage]
         if row is None:
             out.append(("unknown_job", None))
             continue
-        if (row.task, row.queue) != (message.task, message.queue):
-            out.append(("forged", None))  # deferred, it would go where the forger says
-            continue
         refused = _not_runnable(message, row.state, row.version)
+        if refused is None and (row.task, row.queue) != (message.task, message.queue):
+            refused = "forged"  # deferred, it would go where the forger says
         out.append((refused, None) if refused is not None else (None, row.due_at))
     return out
 

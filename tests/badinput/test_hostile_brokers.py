@@ -14,7 +14,9 @@ reason and removed from the broker, and the worker never stops.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -31,9 +33,12 @@ from helpers import (
     wait_for,
 )
 from hostile import GARBAGE, Forger, deep_json, envelope, forged_future
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from duebox.brokers.base import Delivery
 from duebox.brokers.memory import MemoryBroker
+from duebox.consumers import Worker
 from duebox.metrics import Metrics
 
 from .real_brokers import BACKENDS, real_broker
@@ -80,19 +85,24 @@ async def test_forged_deep_and_garbage_messages_never_starve_real_jobs(
                 expected = {"unknown_job": 41, "too_deep": 2 + sum(
                     reason == "too_deep" for _, reason in GARBAGE),
                     "undecodable": sum(reason == "undecodable" for _, reason in GARBAGE),
-                    "stale_version": 1, "forged": 1}
+                    "stale_version": 1}
+                # Of the three messages for ``later`` (its own and two forged
+                # copies) one starts it; the others are discarded as forged
+                # (another queue) or as copies of a job already running or done.
+                copies = ("forged", "already_running", "already_succeeded")
 
                 def counted() -> bool:
-                    return all(r.discarded.get(k, 0) >= n for k, n in expected.items())
+                    return (all(r.discarded.get(k, 0) >= n for k, n in expected.items())
+                            and sum(r.discarded.get(k, 0) for k in copies) >= 2)
 
                 await r.wait(lambda: all_final(app.engine, [*real, later]), timeout=60,
                              what="every real job to run beside the forgeries")
                 await r.wait(counted, timeout=60, what="every bad message to be discarded")
             discarded = r.discarded
             assert {k: discarded.get(k, 0) for k in expected} == expected
-            # A copy that came before the job's own message was started or
-            # discarded as a duplicate, never deferred to the forger's hour.
-            assert set(discarded) - set(expected) <= {"already_running", "already_succeeded"}
+            # Never deferred to the forger's hour: started, or discarded.
+            assert sum(discarded.get(k, 0) for k in copies) == 2
+            assert set(discarded) - set(expected) <= set(copies)
             assert lateness(app, real) < ON_TIME
             assert lateness(app, [later]) < ON_TIME
             assert set(effect_rows(app.engine)) == {str(i) for i in (first, later, *real)}
@@ -210,3 +220,81 @@ async def test_a_row_nested_too_deep_is_dead_lettered_on_the_sql_path(database_u
         assert set(effect_rows(app.engine)) == {str(real)}
     finally:
         await app.adispose()
+
+
+class Recorder(MemoryBroker):
+    """memory://, recording what the worker does with each delivery."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.actions: list[tuple[str, Any]] = []
+
+    async def ack(self, delivery: Delivery) -> None:
+        self.actions.append(("ack", None))
+
+    async def reject(self, delivery: Delivery, reason: str) -> None:
+        self.actions.append(("reject", reason))
+
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
+        self.actions.append(("defer", seconds))
+        return True
+
+
+FORGED = st.fixed_dictionaries({
+    "known": st.booleans(),
+    "version": st.just(1) | st.integers(-5, 10**9),
+    "task": st.sampled_from(["effect", "noop"]) | st.text(min_size=1, max_size=30),
+    "queue": st.sampled_from(["default", "other", "a.*.b"]) | st.text(min_size=1, max_size=30),
+    "due_at": st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30),
+                           timezones=st.just(UTC))
+    | st.floats(-5.0, 5.0).map(lambda s: datetime.now(UTC) + timedelta(seconds=s)),
+})
+
+
+@POSTGRES
+def test_forged_envelopes_are_discarded_or_wait_for_the_jobs_own_due_time(
+        database_url: str) -> None:
+    """Any well-formed envelope a forger can write — any due time from year 1
+    to 9999, any version, task or queue, a real job's id or none — is either
+    discarded with the reason the job table gives, or, when it names the job
+    exactly, deferred to the job's own due time: never started early, never
+    held for the forger's time, never an exception."""
+    app = make_app(database_url, memory_url() + "?max_delay=60")
+    try:
+        job_id = schedule_committed(app, "effect", delay=3600)
+        before = job_row(app.engine, job_id)
+
+        @settings(max_examples=120, deadline=None)
+        @given(forged=FORGED)
+        def check(forged: dict[str, Any]) -> None:
+            body = envelope(job_id if forged["known"] else None, queue=forged["queue"],
+                            task=forged["task"], version=forged["version"])
+            data = json.loads(body)
+            data["due_at"] = forged["due_at"].isoformat()
+            actions = asyncio.run(handled(app, json.dumps(data).encode()))
+            [(action, value)] = actions
+            if forged["version"] < 1:
+                assert (action, value) == ("reject", "version")  # not even decodable
+            elif not forged["known"]:
+                assert (action, value) == ("reject", "unknown_job")
+            elif forged["version"] != 1:
+                assert (action, value) == ("reject", "stale_version")
+            elif (forged["task"], forged["queue"]) != ("effect", "default"):
+                assert (action, value) == ("reject", "forged")
+            else:  # the job's own message, whatever due time it claims
+                assert action == "defer"
+                assert 3590 < value <= 3600
+            assert job_row(app.engine, job_id) == before
+
+        check()
+    finally:
+        app.dispose()
+
+
+async def handled(app: Any, body: bytes) -> list[tuple[str, Any]]:
+    broker = Recorder(app.settings.broker_url, app.broker("forger").context)
+    worker = Worker(app, broker=broker, name="forged", metrics=Metrics())
+    await worker.handle(broker.delivery(body))
+    # A decode error's reason is its text: keep the field it names.
+    return [(a, v.split(":")[0] if a == "reject" and ":" in str(v) else v)
+            for a, v in broker.actions]
