@@ -236,8 +236,8 @@ class Worker:
                               "lease will expire and it will be retried", type(exc).__name__,
                               exc, exc_info=not isinstance(exc, DueboxError))
             with contextlib.suppress(Exception):
-                if delivery.claimed is not None or not await self.broker.defer(
-                        delivery, _RETRY_DELIVERY_SECONDS):
+                if delivery.claimed is not None or await self.broker.defer(
+                        delivery, _RETRY_DELIVERY_SECONDS) is False:
                     await self.broker.ack(delivery)
         finally:
             self._in_hand -= 1
@@ -350,7 +350,9 @@ class Worker:
         publishes it when due) and the message is dropped: never a loop."""
         self.stats.deferred += 1
         self.metrics.deferred.labels(self.backend).inc()
-        if await self.broker.defer(delivery, seconds):
+        # ``is False``: a backend of another package whose defer() predates
+        # the bool (returns None) still counts as having taken it back.
+        if await self.broker.defer(delivery, seconds) is not False:
             return
         await self.pools.db(self.starts.give_back, msg)
         self._discard("defer_refused")
