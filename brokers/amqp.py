@@ -32,7 +32,8 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from duebox.errors import BrokerError, ConfigurationError, ValidationError
+from duebox.errors import BrokerError, ConfigurationError, DueboxError, ValidationError
+from duebox.logs import CollapsedLog
 
 from .amqp_link import (
     Channel,
@@ -57,7 +58,8 @@ from .base import (
     Delivery,
     Outgoing,
     PublishResult,
-    delivery_from_body,
+    parse_params,
+    refused,
 )
 
 log = logging.getLogger("duebox.brokers.amqp")
@@ -66,6 +68,9 @@ OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "conf
 # RabbitMQ's default max_message_size (3.8+): larger messages close the channel.
 PAYLOAD_LIMIT = 128 * 1024 * 1024
 _YIELD_EVERY = 64
+# Ended consumer channels kept open for late acks; beyond this the oldest is
+# closed (the broker redelivers what it still held; the worker drops it).
+_RETIRED_MOST = 4
 
 
 class AMQPBroker(Broker):
@@ -88,9 +93,8 @@ class AMQPBroker(Broker):
 
     def __init__(self, url: str, context: BrokerContext) -> None:
         super().__init__(url, context)
+        self.topology = _topology(self.params)
         p = self.params
-        self.topology = Topology(prefix=p.get("prefix", "duebox"),
-                                 queue_type=p.get("queue_type", "classic"))
         self.mode = p.get("delay_mode", "auto")
         if self.mode not in MODES:
             raise ConfigurationError(
@@ -103,6 +107,16 @@ class AMQPBroker(Broker):
         self._admin: Channel | None = None
         self._publisher: Publisher | None = None
         self._declared: set[str] = set()
+        self._log = CollapsedLog(log)
+        # Consumer channels whose consumption ended, kept open for the acks
+        # of the deliveries still being handled (see _stop_consuming).
+        self._retired: list[Channel] = []
+
+    @classmethod
+    def check_queue_name(cls, url: str, name: str) -> None:
+        """No ``*`` or ``#`` word (topic wildcards in the tier bindings), at
+        most 255 bytes with the prefix and the tier routing key."""
+        check_queue_name(_topology(parse_params(url)), name)
 
     # --- connection ----------------------------------------------------------
 
@@ -112,6 +126,7 @@ class AMQPBroker(Broker):
     async def close(self) -> None:
         link, self._link = self._link, None
         self._admin = self._publisher = None
+        self._retired.clear()
         if link is not None:
             await link.close()
 
@@ -166,18 +181,22 @@ class AMQPBroker(Broker):
             self._admin = await link.channel()
         return self._admin
 
-    async def declare_queues(self, names: Iterable[str]) -> dict[str, str]:
+    async def declare_queues(self, names: Iterable[str]) -> dict[str, DueboxError]:
         """Declare and bind duebox queues not yet declared on this connection;
-        returns ``{name: error}`` for those that failed."""
-        errors: dict[str, str] = {}
+        returns ``{name: error}`` for those that failed (a ValidationError:
+        a name RabbitMQ can never use)."""
+        errors: dict[str, DueboxError] = {}
         for name in dict.fromkeys(names):
             if name in self._declared:
                 continue
             try:
                 admin = await self._admin_channel()  # connects: ``plugin`` is known after
                 await admin.apply(self.topology.queue_ops(name, bool(self.plugin)))
-            except (BrokerError, ValidationError) as exc:
-                errors[name] = f"declaring queue {name!r} failed: {exc}"
+            except ValidationError as exc:
+                errors[name] = exc
+                continue
+            except BrokerError as exc:
+                errors[name] = BrokerError(f"declaring queue {name!r} failed: {exc}")
                 continue
             self._declared.add(name)
         return errors
@@ -205,8 +224,8 @@ class AMQPBroker(Broker):
             if i and i % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let pika write what is encoded so far
             msg = out.message
-            error = queue_errors.get(msg.queue)
-            if error is None:
+            refusal = queue_errors.get(msg.queue)
+            if refusal is None:
                 try:
                     # The delay counts from when the broker enqueues the message,
                     # which is after this moment: time spent since the relay
@@ -220,12 +239,14 @@ class AMQPBroker(Broker):
                     waiting.append((i, pub.send(route, body, properties(msg, route))))
                     continue
                 except (ValidationError, BrokerError) as exc:
-                    error = str(exc)
-            results[i] = PublishResult(msg.job_id, False, error=error)
+                    refusal = exc
+            results[i] = (refused(msg.job_id, refusal) if isinstance(refusal, ValidationError)
+                          else PublishResult(msg.job_id, False, error=str(refusal)))
         if waiting:
             await asyncio.wait([f for _, f in waiting], timeout=self.confirm_timeout)
         for i, fut in waiting:
             msg = batch[i].message
+            error: str | None
             if not fut.done():
                 fut.cancel()
                 error = f"no publisher confirm within {self.confirm_timeout:g} s"
@@ -250,7 +271,8 @@ class AMQPBroker(Broker):
             try:
                 chan, inbox = await self._start_consuming(names, prefetch)
             except BrokerError as exc:
-                log.warning("cannot consume from RabbitMQ (%s); retrying in %.1fs", exc, backoff)
+                self._log.warning("consume", "cannot consume from RabbitMQ (%s); retrying in "
+                                  "%.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -267,24 +289,48 @@ class AMQPBroker(Broker):
             finally:
                 if getter is not None:
                     getter.cancel()
-                if chan.is_open:
-                    with contextlib.suppress(Exception):
-                        chan.ch.close()
+                self._stop_consuming(chan, inbox)
                 self._declared.difference_update(names)  # a deleted queue is declared again
-            log.warning("RabbitMQ consumer channel closed (%s); consuming again",
-                        describe(chan.closed.result()))
+            self._log.warning("channel-closed", "RabbitMQ consumer channel closed (%s); "
+                              "consuming again", describe(chan.closed.result()))
+
+    def _stop_consuming(self, chan: Channel, inbox: asyncio.Queue[Delivery]) -> None:
+        """Consumption ends (the worker stops, or consumes afresh): RabbitMQ
+        stops sending, and what it sent that was never handed out goes back
+        at once.  The channel stays open until close(): the deliveries still
+        being handled are acked on it when their jobs finish.  Closing it here
+        (before them) left the last finished jobs' messages in the queue, to
+        be delivered again to the next worker."""
+        if not chan.is_open:
+            return
+        self._retired.append(chan)
+        while len(self._retired) > _RETIRED_MOST:  # unsettled that long: redelivered
+            with contextlib.suppress(Exception):
+                self._retired.pop(0).ch.close()
+        with contextlib.suppress(Exception):
+            for tag in list(chan.ch.consumer_tags):
+                chan.ch.basic_cancel(tag)
+        while not inbox.empty():
+            delivery = inbox.get_nowait()
+            chan.requeue(delivery.raw[1])
 
     async def _start_consuming(self, names: list[str], prefetch: int
                                ) -> tuple[Channel, asyncio.Queue[Delivery]]:
         errors = await self.declare_queues(names)
         if errors:
-            raise BrokerError("; ".join(errors.values()))
+            raise BrokerError("; ".join(map(str, errors.values())))
         link = await self._connected()
         chan = await link.channel()
         inbox: asyncio.Queue[Delivery] = asyncio.Queue()
 
         def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
-            inbox.put_nowait(delivery_from_body(
+            if chan in self._retired:  # sent before RabbitMQ saw the cancel
+                chan.requeue(method.delivery_tag)
+                return
+            # An exception here escapes into pika's I/O callback and drops the
+            # connection, and the message comes back, forever: self.delivery()
+            # never raises, whatever the body holds.
+            inbox.put_nowait(self.delivery(
                 body, raw=(chan, method.delivery_tag), redelivered=bool(method.redelivered),
                 extra={"headers": props.headers or {}, "message_id": props.message_id,
                        "exchange": method.exchange, "routing_key": method.routing_key}))
@@ -309,24 +355,31 @@ class AMQPBroker(Broker):
         else:  # not a duebox message: keep it in the dead-letter queue
             chan.reject(tag)
 
-    async def defer(self, delivery: Delivery, seconds: float) -> None:
-        """Publish the message again with the remaining delay, then ack it."""
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
+        """Publish the message again with the remaining delay, then ack it.
+        If the broker refuses the publish, False: the caller returns the job
+        to the job table and acks the message.  Requeueing it instead put it
+        back at the head of the queue, at once, forever (40 such messages
+        filled the prefetch window and no other job ran)."""
         if delivery.message is None:
             await self.reject(delivery, "undecodable")
-            return
+            return True
         try:
             result = (await self.publish([Outgoing(delivery.message, seconds)]))[0]
             ok, error = result.ok, result.error
-        except BrokerError as exc:
+        except (BrokerError, ValidationError) as exc:
             ok, error = False, str(exc)
         if ok:
             await self.ack(delivery)
-            return
-        log.warning("could not defer job %s (%s); returning it to its queue",
-                    delivery.message.job_id, error)
-        await asyncio.sleep(min(max(seconds, 0.0), 1.0))
-        chan, tag = delivery.raw
-        chan.requeue(tag)
+            return True
+        self._log.warning(f"defer:{error}"[:80], "could not defer job %s (%s); it goes back "
+                          "to the job table", delivery.message.job_id, error)
+        return False
+
+
+def _topology(params: dict[str, str]) -> Topology:
+    return Topology(prefix=params.get("prefix", "duebox"),
+                    queue_type=params.get("queue_type", "classic"))
 
 
 def _positive(params: dict[str, str], name: str, default: float) -> float:

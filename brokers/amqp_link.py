@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from duebox.errors import BrokerError, ConfigurationError, MissingDependencyError
+from duebox.logs import collapse_library_logs
 from duebox.message import JobMessage
 
 try:
@@ -30,6 +31,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("pika", "rabbitmq") from exc
 
 from .amqp_topology import ExchangeBind, ExchangeDecl, Op, QueueBind, QueueDecl, Route
+
+# pika logs each failed connection attempt at ERROR in some nine lines: a
+# RabbitMQ cut of 8 s wrote ~1,400 of them.  Once per kind per 30 s, with a
+# count (duebox.logs); duebox says what it does about it in its own lines.
+PIKA_LOGS = collapse_library_logs("pika")
 
 RPC_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 10.0

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
 from duebox.clock import Clock
-from duebox.errors import BrokerError, MessageDecodeError
+from duebox.errors import BrokerError, MessageDecodeError, ValidationError
 from duebox.message import JobMessage
 from duebox.registry import effective_max_delay
 
@@ -98,24 +98,46 @@ class Delivery:
     claimed_at: datetime | None = None
     redelivered: bool = False
     decode_error: str | None = None
+    # Why a message that did not decode is discarded (the metric's label).
+    decode_reason: str = "undecodable"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def delivery_from_body(body: bytes | str, raw: Any = None, **kw: Any) -> Delivery:
+def delivery_from_body(body: bytes | str, raw: Any = None, *, max_bytes: int | None = None,
+                       **kw: Any) -> Delivery:
     """Decode at the boundary: garbage becomes a delivery the worker rejects
-    with the reason, never an exception that stops consumption."""
+    with the reason, never an exception that stops consumption — whatever
+    the body, and whatever goes wrong decoding it (``max_bytes``: the
+    broker's message limit)."""
     try:
-        return Delivery(message=JobMessage.decode(body), raw=raw, **kw)
+        return Delivery(message=JobMessage.decode(body, max_bytes), raw=raw, **kw)
     except MessageDecodeError as exc:
-        return Delivery(message=None, raw=raw, decode_error=str(exc), **kw)
+        return Delivery(message=None, raw=raw, decode_error=str(exc), decode_reason=exc.reason,
+                        **kw)
+    except Exception as exc:  # a decoder gap must not end consumption either
+        return Delivery(message=None, raw=raw,
+                        decode_error=f"body: cannot be decoded ({type(exc).__name__}: {exc})"[:300],
+                        **kw)
 
 
 @dataclass(frozen=True)
 class PublishResult:
+    """``error``: the broker's reason when not ``ok``.  ``permanent``: the
+    broker will refuse this message every time (a queue name it cannot use,
+    a message over its size limit): the relay counts it as a failed attempt
+    of the job, which ends DEAD with the reason, instead of publishing it
+    again forever."""
+
     job_id: Any
     ok: bool
     broker_message_id: str | None = None
     error: str | None = None
+    permanent: bool = False
+
+
+def refused(job_id: Any, exc: ValidationError) -> PublishResult:
+    """The result of a message a backend refuses for good."""
+    return PublishResult(job_id, False, error=str(exc), permanent=True)
 
 
 @dataclass(frozen=True)
@@ -144,6 +166,20 @@ class Broker(abc.ABC):
         # registry row says so at once.
         self.registry_changed: Callable[[], None] | None = None
 
+    @classmethod  # noqa: B027 - an optional hook
+    def check_queue_name(cls, url: str, name: str) -> None:
+        """Raise :class:`ValidationError` (field ``queue``) if this backend,
+        configured by ``url``, cannot use ``name`` as a queue.  Called through
+        ``duebox.registry.check_queue_name`` (core never imports a backend)
+        when a task is registered and a job scheduled, after the rule every
+        backend shares; must not connect anywhere.  The default: no rule of
+        its own."""
+
+    def delivery(self, body: bytes | str, raw: Any = None, **kw: Any) -> Delivery:
+        """A delivery of ``body`` (see :func:`delivery_from_body`), bounded by
+        this backend's message limit: never raises."""
+        return delivery_from_body(body, raw, max_bytes=self.capabilities.payload_limit, **kw)
+
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Connect and declare what is needed.  Must be idempotent."""
 
@@ -170,11 +206,14 @@ class Broker(abc.ABC):
         """The message is not runnable (garbage, stale, cancelled): drop it."""
         await self.ack(delivery)
 
-    async def defer(self, delivery: Delivery, seconds: float) -> None:
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Hide the message again for ``seconds`` (it arrived before its due
-        time, e.g. clock skew).  The default acks it and relies on the job's
-        lease expiry to publish it again."""
+        time, e.g. clock skew).  False: the broker would not take it back and
+        the message is still the caller's (who then returns the job to the
+        job table and acks it) — never a retry loop here.  The default acks it
+        and relies on the job's lease expiry to publish it again."""
         await self.ack(delivery)
+        return True
 
     async def cancel(self, job_ids: Sequence[uuid.UUID]) -> int:
         """Best effort, after a cancel committed: drop these jobs' messages that

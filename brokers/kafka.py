@@ -48,10 +48,11 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from duebox.errors import BrokerError, MissingDependencyError
+from duebox.errors import BrokerError, MissingDependencyError, ValidationError
+from duebox.logs import CollapsedLog, kind_of
 
 from ._common import ordering_key
 from .base import (
@@ -62,14 +63,14 @@ from .base import (
     Delivery,
     Outgoing,
     PublishResult,
-    delivery_from_body,
     parse_params,
+    refused,
 )
+from .kafka_offsets import OffsetTracker, Truncated
 from .kafka_settings import KafkaSettings
 
 try:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-    from aiokafka.abc import ConsumerRebalanceListener
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import (
         IncompatibleBrokerVersion,
@@ -77,7 +78,6 @@ try:
         TopicAlreadyExistsError,
         UnsupportedVersionError,
     )
-    from aiokafka.structs import OffsetAndMetadata
 except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
     raise MissingDependencyError("aiokafka", "kafka") from exc
 
@@ -143,98 +143,6 @@ _DEAD_LETTER = "dead-letter"
 _COMMIT_EVERY = 0.2  # seconds between offset commits while messages finish
 
 
-@dataclass
-class _Partition:
-    """Offsets of one assigned partition: received and not finished ones, and
-    the next offset after the last one received."""
-
-    generation: int
-    pending: set[int] = field(default_factory=set)
-    upto: int = -1  # next offset after the highest received
-    committed: int = -1
-
-    def position(self) -> int:
-        """What may be committed: everything below it is finished."""
-        return min(self.pending) if self.pending else self.upto
-
-
-class _Truncated(Exception):
-    """A consumed partition was truncated: start the consumer over."""
-
-
-class _Tracker(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Which offsets may be committed, per partition, across rebalances."""
-
-    def __init__(self, broker: KafkaBroker) -> None:
-        self.broker = broker
-        self.parts: dict[Any, _Partition] = {}
-        self.generations = itertools.count(1)
-        self.dirty = asyncio.Event()
-        self.consumer: Any = None
-        self.truncated = False
-
-    def received(self, tp: Any, offset: int) -> int:
-        part = self.parts.get(tp)
-        if part is None:
-            part = self.parts[tp] = _Partition(next(self.generations))
-        part.pending.add(offset)
-        part.upto = max(part.upto, offset + 1)
-        return part.generation
-
-    def finished(self, tp: Any, offset: int, generation: int) -> bool:
-        part = self.parts.get(tp)
-        if part is None or part.generation != generation:
-            return False  # the partition moved to another consumer meanwhile
-        part.pending.discard(offset)
-        self.dirty.set()
-        return True
-
-    def to_commit(self, tps: Sequence[Any] | None = None) -> dict[Any, Any]:
-        out = {}
-        for tp, part in self.parts.items():
-            if tps is not None and tp not in tps:
-                continue
-            pos = part.position()
-            if pos >= 0 and pos != part.committed:
-                out[tp] = (part, pos)
-        return out
-
-    async def commit(self, tps: Sequence[Any] | None = None) -> None:
-        """Commit finished positions.  A position beyond the partition's end
-        means the partition was truncated under us (the topic was deleted or
-        the cluster replaced): nothing is committed then and the consumer
-        starts over, or it would skip the new incarnation's first messages."""
-        todo = self.to_commit(tps)
-        if not todo or self.consumer is None:
-            return
-        try:
-            ends = await self.consumer.end_offsets(list(todo))
-            if any(ends.get(tp, 0) < pos for tp, (_, pos) in todo.items()):
-                self.truncated = True
-                return
-            await self.consumer.commit({tp: OffsetAndMetadata(pos, "")
-                                        for tp, (_, pos) in todo.items()})
-        except KafkaError as exc:
-            log.info("offset commit failed (%s); the messages may be delivered again", exc)
-            if "UnknownTopicOrPartition" in type(exc).__name__:
-                self.truncated = True
-            return
-        for part, pos in todo.values():
-            part.committed = pos
-
-    async def on_partitions_revoked(self, revoked: Any) -> None:
-        await self.commit(list(revoked))
-        for tp in revoked:
-            self.parts.pop(tp, None)
-        self.broker._freed.set()
-
-    async def on_partitions_assigned(self, assigned: Any) -> None:
-        # A new member id: the worker's registry row should say so now
-        # (KafkaBroker.registry_info), not at its next beat.
-        if self.broker.registry_changed is not None:
-            self.broker.registry_changed()
-
-
 class KafkaBroker(Broker):
     capabilities = Capabilities(
         name="kafka",
@@ -275,14 +183,23 @@ class KafkaBroker(Broker):
         self._freed = asyncio.Event()
         self._in_flight = 0
         self._lock = asyncio.Lock()
-        self._tracker: _Tracker | None = None
+        self._tracker: OffsetTracker | None = None
         # Consumers and their committer tasks, stopped by close() even when
         # the consume() generator was abandoned without being closed.
         self._consumers: set[Any] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Consumers of ended consume() calls, kept to commit late acks.
+        self._draining: list[tuple[Any, OffsetTracker]] = []
+        self._log = CollapsedLog(log)
         self._deferred: list[tuple[float, int, Delivery]] = []
         self._seq = itertools.count()
         self.received = 0
+
+    @classmethod
+    def check_queue_name(cls, url: str, name: str) -> None:
+        """Kafka topic names: letters, digits, '.', '-' and '_', 1 to 249 with
+        the prefix, not '.' or '..'."""
+        KafkaSettings.from_url(url, parse_params(url)).topic(name)
 
     def _where(self) -> str:
         return f"Kafka at {','.join(self.settings.bootstrap)}"
@@ -297,6 +214,7 @@ class KafkaBroker(Broker):
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._finish_draining()
         clients = (self._producer, self._probe, *self._consumers)
         self._consumers.clear()
         self._producer = self._probe = None
@@ -403,11 +321,16 @@ class KafkaBroker(Broker):
         except (IncompatibleBrokerVersion, UnsupportedVersionError) as exc:
             log.debug("%s cannot CreateTopics (%s); relying on auto-creation", self._where(),
                       exc)
-        except (KafkaError, OSError) as exc:
-            log.warning("%s: creating topics %s failed (%s); relying on auto-creation",
-                        self._where(), topics, exc)
+        except Exception as exc:
+            # Best effort, whatever the client raises: aiokafka's admin client
+            # raised AttributeError ("'NoneType' object has no attribute
+            # 'nodeId'") while the cluster reported no controller, and the
+            # relay exited on it.
+            self._log.warning(f"create:{kind_of(exc)}", "%s: creating topics %s failed (%s: "
+                              "%s); relying on auto-creation", self._where(), topics,
+                              type(exc).__name__, exc)
         finally:
-            with contextlib.suppress(KafkaError, OSError):
+            with contextlib.suppress(Exception):
                 await admin.close()
 
     # --- relay side --------------------------------------------------------------
@@ -423,7 +346,14 @@ class KafkaBroker(Broker):
         if not batch:
             return []
         results: list[PublishResult | None] = [None] * len(batch)
-        topics = {q: self._topic(q) for q in {o.message.queue for o in batch}}
+        topics: dict[str, str] = {}
+        for i, out in enumerate(batch):
+            try:
+                topics[out.message.queue] = self._topic(out.message.queue)
+            except ValidationError as exc:  # no Kafka topic can have this name
+                results[i] = refused(out.message.job_id, exc)
+        if not topics:
+            return [r for r in results if r is not None]
         await self.ensure_topics(list(topics.values()))
         p = await self.producer()
         partitions_of: dict[str, list[int]] = {}
@@ -446,6 +376,8 @@ class KafkaBroker(Broker):
 
         for i, out in enumerate(batch):
             msg = out.message
+            if results[i] is not None:
+                continue
             if out.delay > 0:
                 results[i] = PublishResult(msg.job_id, False, error=(
                     "kafka:// cannot delay a message (max_delay is 0): the relay publishes "
@@ -455,10 +387,10 @@ class KafkaBroker(Broker):
             headers = [(k, v.encode()) for k, v in msg.header_map().items()]
             size = len(body) + sum(map(len, itertools.chain.from_iterable(headers)))
             if size > max_size:
-                results[i] = PublishResult(msg.job_id, False, error=(
-                    f"payload: the message is {size} bytes with its headers; this topic takes "
-                    f"at most {max_size} (max_message_size, which must "
-                    f"not exceed the topic's max.message.bytes)"))
+                results[i] = refused(msg.job_id, ValidationError(
+                    "payload", f"the message is {size} bytes with its headers; this topic "
+                    f"takes at most {max_size} (max_message_size, which must not exceed the "
+                    f"topic's max.message.bytes)"))
                 continue
             topic = topics[msg.queue]
             key = ordering_key(msg).encode()
@@ -511,7 +443,7 @@ class KafkaBroker(Broker):
             # its state): start over with a fresh producer next time.
             await self._reset_producer()
         if errors and all(r is not None and not r.ok for r in results) and \
-                not any(r is not None and r.error and r.error.startswith(("payload", "kafka://"))
+                not any(r is not None and (r.permanent or (r.error or "").startswith("kafka://"))
                         for r in results):
             raise BrokerError(f"{self._where()} refused the publish: {errors[0]}") from errors[0]
         return [r for r in results if r is not None]
@@ -623,8 +555,8 @@ class KafkaBroker(Broker):
                 await self.ensure_topics(topics)
                 consumer, tracker = await self._start_consumer(topics)
             except BrokerError as exc:
-                log.warning("cannot consume from %s (%s); retrying in %.1fs", self._where(),
-                            exc, backoff)
+                self._log.warning("consume", "cannot consume from %s (%s); retrying in %.1fs",
+                                  self._where(), exc, backoff)
                 # Jittered: workers re-joining in step would keep rebalancing
                 # each other.
                 await asyncio.sleep(backoff * (0.5 + random.random()))
@@ -635,28 +567,49 @@ class KafkaBroker(Broker):
                 async for d in self._read(consumer, tracker, by_topic, prefetch):
                     backoff = 0.2
                     yield d
-            except (KafkaError, OSError, _Truncated) as exc:
+            except (KafkaError, OSError, Truncated) as exc:
                 failed = exc
             finally:
-                if failed is None:  # a clean stop: commit what finished
+                if failed is None:
+                    # A clean stop: commit what finished, and keep the
+                    # consumer until close() to commit what is still being
+                    # handled (stopped here, before those, their messages were
+                    # delivered again to the next worker).
                     with contextlib.suppress(KafkaError, OSError):
                         await tracker.commit()
-                # After a failure nothing is committed: the cluster may be a
-                # new one, where these positions would skip its messages.
-                tracker.consumer = None
-                self._consumers.discard(consumer)
-                await _stop_quietly(consumer)
-                self._tracker = None
+                    self._draining.append((consumer, tracker))
+                else:
+                    # After a failure nothing is committed: the cluster may be
+                    # a new one, where these positions would skip its messages.
+                    await self._retire(consumer, tracker)
             # The group or the cluster went away (a broker restart, a
             # coordinator that forgot the group): join again.
-            log.warning("consuming from %s failed (%s); joining the group again in %.1fs",
-                        self._where(), failed, backoff)
+            self._log.warning("rejoin", "consuming from %s failed (%s); joining the group "
+                              "again in %.1fs", self._where(), failed, backoff)
             self._topics.clear()  # a new cluster may need them created again
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
 
-    async def _start_consumer(self, topics: list[str]) -> tuple[Any, _Tracker]:
-        tracker = _Tracker(self)
+    async def _retire(self, consumer: Any, tracker: OffsetTracker) -> None:
+        tracker.consumer = None
+        self._consumers.discard(consumer)
+        await _stop_quietly(consumer)
+        if self._tracker is tracker:
+            self._tracker = None
+
+    async def _finish_draining(self) -> None:
+        """Commit what the consumers of ended consume() calls saw finish
+        since, then stop them (close(), or a new consume(): an idle member
+        of the group would hold partitions nobody reads)."""
+        draining, self._draining = self._draining, []
+        for consumer, tracker in draining:
+            with contextlib.suppress(KafkaError, OSError):
+                await tracker.commit()
+            await self._retire(consumer, tracker)
+
+    async def _start_consumer(self, topics: list[str]) -> tuple[Any, OffsetTracker]:
+        await self._finish_draining()
+        tracker = OffsetTracker(self._freed)
         c = AIOKafkaConsumer(**self.settings.client_options(self.client_id),
                              group_id=self.settings.group, enable_auto_commit=False,
                              auto_offset_reset="earliest",
@@ -683,7 +636,7 @@ class KafkaBroker(Broker):
         self._tracker = tracker
         return c, tracker
 
-    async def _read(self, consumer: Any, tracker: _Tracker, by_topic: dict[str, str],
+    async def _read(self, consumer: Any, tracker: OffsetTracker, by_topic: dict[str, str],
                     prefetch: int) -> AsyncIterator[Delivery]:
         committer = asyncio.create_task(self._committer(tracker))
         self._tasks.add(committer)
@@ -703,7 +656,7 @@ class KafkaBroker(Broker):
                     consumer.resume(*consumer.assignment())
                     paused = False
                 if tracker.truncated:
-                    raise _Truncated("a partition holds fewer messages than were read from "
+                    raise Truncated("a partition holds fewer messages than were read from "
                                      "it: the topic was deleted or the cluster replaced")
                 wait = 1.0
                 if self._deferred:
@@ -734,7 +687,7 @@ class KafkaBroker(Broker):
                         gen = tracker.received(tp, m.offset)
                         self._in_flight += 1
                         self.received += 1
-                        yield delivery_from_body(
+                        yield self.delivery(
                             m.value or b"", raw=(tp, m.offset, gen, tracker),
                             extra={"queue": by_topic.get(tp.topic, tp.topic),
                                    "topic": tp.topic, "partition": tp.partition,
@@ -744,7 +697,7 @@ class KafkaBroker(Broker):
             committer.cancel()
             await asyncio.gather(committer, return_exceptions=True)
 
-    async def _committer(self, tracker: _Tracker) -> None:
+    async def _committer(self, tracker: OffsetTracker) -> None:
         while True:
             await tracker.dirty.wait()
             tracker.dirty.clear()
@@ -773,12 +726,13 @@ class KafkaBroker(Broker):
             return
         self._settle(delivery)
 
-    async def defer(self, delivery: Delivery, seconds: float) -> None:
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Kafka cannot hide a message: hold it here, its offset uncommitted,
         and hand it out again after ``seconds`` (a crash meanwhile redelivers
         it from Kafka)."""
         heapq.heappush(self._deferred, (time.monotonic() + max(0.0, seconds), next(self._seq),
                                         delivery))
+        return True
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Keep a message that is not a duebox message in ``PREFIX + dead-letter``."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from duebox.errors import BrokerError, ConfigurationError
+from duebox.errors import ConfigurationError, ValidationError
 
 from ._common import flag, name_param, number, refuse_unknown
 
@@ -96,8 +96,10 @@ class KafkaSettings:
     def topic(self, queue: str) -> str:
         name = self.prefix + queue
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", name) or name in (".", ".."):
-            raise BrokerError(f"queue {queue!r}: the Kafka topic name {name!r} must be 1 to "
-                              f"249 letters, digits, '.', '-' or '_'")
+            raise ValidationError(
+                "queue", f"must make a Kafka topic name of 1 to 249 letters, digits, '.', "
+                f"'-' or '_' (not '.' or '..') with the prefix {self.prefix!r} ({name!r})",
+                queue)
         return name
 
     def client_options(self, client_id: str) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from .base import (
     Delivery,
     Outgoing,
     PublishResult,
-    delivery_from_body,
 )
 
 
@@ -76,22 +75,23 @@ class MemoryBroker(Broker):
             q = self.hub.queues[names[0]]
             while True:
                 body, mid = await q.get()
-                yield delivery_from_body(body, mid)
+                yield self.delivery(body, mid)
         while True:
             for name in names:
                 q = self.hub.queues[name]
                 while not q.empty():
                     body, mid = q.get_nowait()
-                    yield delivery_from_body(body, mid)
+                    yield self.delivery(body, mid)
             await asyncio.sleep(0.001)
 
-    async def defer(self, delivery: Delivery, seconds: float) -> None:
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Make the message visible again after ``seconds`` (it came early)."""
         if delivery.message is None:
-            return
+            return True
         queue = self.hub.queues[delivery.message.queue]
         item = (delivery.message.encode(), delivery.raw)
         asyncio.get_running_loop().call_later(max(0.0, seconds), queue.put_nowait, item)
+        return True
 
     async def inject(self, queue: str, body: bytes) -> None:
         """Put raw bytes on a queue, as a misbehaving producer would (tests)."""

@@ -47,7 +47,13 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from duebox.batched import Batched
-from duebox.errors import BrokerError, ConfigurationError, MissingDependencyError
+from duebox.errors import (
+    BrokerError,
+    ConfigurationError,
+    MissingDependencyError,
+    ValidationError,
+)
+from duebox.logs import CollapsedLog
 
 from ._waiting import wait_any
 from .base import (
@@ -58,7 +64,7 @@ from .base import (
     Delivery,
     Outgoing,
     PublishResult,
-    delivery_from_body,
+    refused,
 )
 
 try:
@@ -343,7 +349,9 @@ def _reraise_lost_cancel() -> None:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    # "replace": a stream entry's fields are anyone's bytes (a forger's
+    # non-UTF-8 id must not raise out of the consumer).
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 class RedisBroker(Broker):
@@ -377,6 +385,16 @@ class RedisBroker(Broker):
         # script call per queue (a round trip per ack cost a quarter of a
         # busy worker's CPU).
         self._acks: dict[str, Batched[tuple[str, str], None]] = {}
+        self._log = CollapsedLog(log)
+
+    @classmethod
+    def check_queue_name(cls, url: str, name: str) -> None:
+        """No braces: a queue's keys share the hash tag ``{queue}`` (one
+        cluster slot, so its scripts may touch them all)."""
+        if "{" in name or "}" in name:
+            raise ValidationError("queue", "must not contain '{' or '}' on Redis (its keys "
+                                  "keep a queue in one cluster slot with a {queue} hash tag)",
+                                  name)
 
     # --- connection -----------------------------------------------------------
 
@@ -446,10 +464,18 @@ class RedisBroker(Broker):
             by_queue.setdefault(out.message.queue, []).append(i)
         results: list[PublishResult | None] = [None] * len(batch)
         errors: list[RedisError] = []
+        calls = 0
         for queue, indexes in by_queue.items():
+            try:
+                self.check_queue_name(self.url, queue)
+            except ValidationError as exc:
+                for i in indexes:
+                    results[i] = refused(batch[i].message.job_id, exc)
+                continue
             k = self.keys(queue)
             for start in range(0, len(indexes), _PUBLISH_CHUNK):
                 chunk = indexes[start:start + _PUBLISH_CHUNK]
+                calls += 1
                 now_ms = self.context.clock.now().timestamp() * 1000.0
                 args: list[Any] = [math.floor(now_ms), k.wake]
                 for i in chunk:
@@ -474,9 +500,7 @@ class RedisBroker(Broker):
                     where = _text(where)
                     results[i] = PublishResult(batch[i].message.job_id, True,
                                                None if where in ("z", "stale") else where)
-        if errors and len(errors) == sum(
-            math.ceil(len(ix) / _PUBLISH_CHUNK) for ix in by_queue.values()
-        ):
+        if errors and len(errors) == calls:  # nothing got through: an outage
             raise BrokerError(f"{self._where()} refused the publish: {errors[0]}") from errors[0]
         return [r for r in results if r is not None]
 
@@ -568,8 +592,8 @@ class RedisBroker(Broker):
                     continue
                 except RedisError as exc:
                     _reraise_lost_cancel()
-                    log.warning("%s: read failed (%s); retrying in %.1fs",
-                                self._where(), exc, backoff)
+                    self._log.warning("read", "%s: read failed (%s); retrying in %.1fs",
+                                      self._where(), exc, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
@@ -598,7 +622,7 @@ class RedisBroker(Broker):
         fields = fields or {}
         self._in_flight[entry] = queue
         job = _text(fields.get(b"id", b""))
-        return delivery_from_body(fields.get(b"body", b""), raw=entry, redelivered=redelivered,
+        return self.delivery(fields.get(b"body", b""), raw=entry, redelivered=redelivered,
                                   extra={"queue": queue, "entry": entry, "job": job})
 
     async def _read(self, client: aioredis.Redis, names: list[str], room: int,
@@ -700,8 +724,8 @@ class RedisBroker(Broker):
                     backoff = 0.1
                 except RedisError as exc:
                     _reraise_lost_cancel()
-                    log.warning("%s: mover failed (%s); retrying in %.1fs",
-                                self._where(), exc, backoff)
+                    self._log.warning("mover", "%s: mover failed (%s); retrying in %.1fs",
+                                      self._where(), exc, backoff)
                     await wait_any(backoff, stop)
                     backoff = min(backoff * 2, 5.0)
         finally:
@@ -765,7 +789,7 @@ class RedisBroker(Broker):
         except RedisError as exc:
             # The entry stays pending; it is taken over after claim_idle and
             # the redelivery is discarded by the version check.
-            log.warning("%s: ack of %s failed: %s", self._where(), entry, exc)
+            self._log.warning("ack", "%s: ack of %s failed: %s", self._where(), entry, exc)
 
     async def _ack_many(self, k: _Keys, acks: list[tuple[str, str]]) -> list[None]:
         """XACK + XDEL each (stream entry, job id), and drop the job's index
@@ -780,15 +804,17 @@ class RedisBroker(Broker):
         else:
             await self.ack(delivery)
 
-    async def defer(self, delivery: Delivery, seconds: float) -> None:
-        """Park the message again for ``seconds`` (XACK + XDEL + ZADD, atomically)."""
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
+        """Park the message again for ``seconds`` (XACK + XDEL + ZADD,
+        atomically).  If that fails the entry stays pending and is taken over
+        after ``claim_idle``: Redis's own bounded retry."""
         msg = delivery.message
         if msg is None:
             await self.ack(delivery)
-            return
+            return True
         settled = self._settle(delivery)
         if settled is None:
-            return
+            return True
         k, entry, job = settled
         now_ms = self.context.clock.now().timestamp() * 1000.0
         score = math.ceil(now_ms + max(0.0, seconds) * 1000.0)
@@ -797,4 +823,5 @@ class RedisBroker(Broker):
                             [self.settings.group, entry, job or str(msg.job_id), msg.version,
                              score, msg.encode(), k.wake])
         except RedisError as exc:
-            log.warning("%s: defer of %s failed: %s", self._where(), entry, exc)
+            self._log.warning("defer", "%s: defer of %s failed: %s", self._where(), entry, exc)
+        return True

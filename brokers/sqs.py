@@ -58,7 +58,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from duebox.errors import BrokerError, ConfigurationError, MissingDependencyError
+from duebox.errors import (
+    BrokerError,
+    ConfigurationError,
+    MissingDependencyError,
+    ValidationError,
+)
+from duebox.logs import CollapsedLog
 from duebox.message import JobMessage
 
 from ._common import ordering_key, safe_token
@@ -69,8 +75,8 @@ from .base import (
     Delivery,
     Outgoing,
     PublishResult,
-    delivery_from_body,
     parse_params,
+    refused,
 )
 from .sqs_settings import MAX_DELAY_SECONDS, MAX_VISIBILITY, SQSSettings
 
@@ -215,6 +221,13 @@ class SQSBroker(Broker):
         # the consume() generator was abandoned without being closed.
         self._tasks: set[asyncio.Task[None]] = set()
         self.received = 0  # messages received by this broker (tests, metrics)
+        self._log = CollapsedLog(log)
+
+    @classmethod
+    def check_queue_name(cls, url: str, name: str) -> None:
+        """SQS names: letters, digits, '-' and '_', at most 80 with the prefix
+        (and ``.fifo``)."""
+        SQSSettings.from_url(url, parse_params(url)).queue_name(name)
 
     # --- connection -------------------------------------------------------------
 
@@ -351,18 +364,21 @@ class SQSBroker(Broker):
     # --- relay side ---------------------------------------------------------------
 
     def _entry(self, i: int, out: Outgoing, now: float) -> _Entry | str:
-        """The request for one message, or the reason it cannot be sent."""
+        """The request for one message, or the reason it cannot be sent
+        (:class:`ValidationError`: one SQS refuses every time)."""
         msg = out.message
         if self.settings.fifo and out.delay > 0:
             return ("sqs:// FIFO queues cannot delay a message (max_delay is 0): the relay "
                     "publishes FIFO jobs at their due time")
+        self.settings.queue_name(msg.queue)
         body = msg.encode().decode()
         attrs = attributes(msg)
         size = message_size(body, attrs)
         if size > self.settings.max_message_size:
-            return (f"payload: the message is {size} bytes with its attributes; SQS takes at "
-                    f"most {self.settings.max_message_size} (max_message_size); keep large "
-                    f"data elsewhere and pass a reference")
+            raise ValidationError(
+                "payload", f"the message is {size} bytes with its attributes; SQS takes at "
+                f"most {self.settings.max_message_size} (max_message_size); keep large "
+                f"data elsewhere and pass a reference")
         request: dict[str, Any] = {"Id": str(i), "MessageBody": body,
                                    "MessageAttributes": attrs}
         if self.settings.fifo:
@@ -407,7 +423,11 @@ class SQSBroker(Broker):
         results: list[PublishResult | None] = [None] * len(batch)
         by_queue: dict[str, list[_Entry]] = {}
         for i, out in enumerate(batch):
-            entry = self._entry(i, out, now)
+            try:
+                entry = self._entry(i, out, now)
+            except ValidationError as exc:
+                results[i] = refused(out.message.job_id, exc)
+                continue
             if isinstance(entry, str):
                 results[i] = PublishResult(out.message.job_id, False, error=entry)
             else:
@@ -418,9 +438,9 @@ class SQSBroker(Broker):
             for chunk in self._chunks(entries):
                 calls.append(self._send(queue, chunk))
         outcomes = await asyncio.gather(*calls)
-        for outcome, exc in outcomes:
-            if exc is not None:
-                failures.append(exc)
+        for outcome, failure in outcomes:
+            if failure is not None:
+                failures.append(failure)
             for index, (ok, value) in outcome.items():
                 job_id = batch[index].message.job_id
                 results[index] = (PublishResult(job_id, True, value) if ok
@@ -618,8 +638,8 @@ class SQSBroker(Broker):
             except BrokerError as exc:
                 if isinstance(exc.__cause__, NoCredentialsError):
                     raise
-                log.warning("%s: receiving from %r failed (%s); retrying in %.1fs",
-                            self._where(), queue, exc, backoff)
+                self._log.warning(f"receive:{queue}", "%s: receiving from %r failed (%s); "
+                                  "retrying in %.1fs", self._where(), queue, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -631,7 +651,7 @@ class SQSBroker(Broker):
                     url, queue, now, now + self.settings.visibility_timeout)
                 self.received += 1
                 count = int(m.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
-                inbox.put_nowait(delivery_from_body(
+                inbox.put_nowait(self.delivery(
                     m.get("Body", ""), raw=handle, redelivered=count > 1,
                     extra={"queue": queue, "url": url, "message_id": m.get("MessageId"),
                            "body": m.get("Body", ""),
@@ -707,7 +727,8 @@ class SQSBroker(Broker):
         if error:
             # The message reappears after its visibility timeout and is
             # discarded by the version check.
-            log.warning("%s: deleting a message failed: %s", self._where(), error)
+            self._log.warning("delete", "%s: deleting a message failed: %s", self._where(),
+                              error)
 
     async def _flush_deletes(self, url: str) -> None:
         pending = self._deletes.pop(url, None)
@@ -744,14 +765,17 @@ class SQSBroker(Broker):
         except (ClientError, BotoCoreError) as exc:
             raise self._error("ChangeMessageVisibility", exc) from exc
 
-    async def defer(self, delivery: Delivery, seconds: float) -> None:
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Hide the message again for the rest of ``seconds``, rounded up (it
-        came before its due time, e.g. clock skew): never run early."""
+        came before its due time, e.g. clock skew): never run early.  If that
+        fails it reappears after its visibility timeout: SQS's own bounded
+        retry."""
         try:
             await self._hide(delivery, seconds)
         except BrokerError as exc:
             log.warning("could not hide an early message again (%s); it reappears after "
                         "its visibility timeout", exc)
+        return True
 
     async def reject(self, delivery: Delivery, reason: str) -> None:
         if reason == "locked":  # the row was busy, not gone: look again shortly

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from duebox.errors import BrokerError, ConfigurationError
+from duebox.errors import ConfigurationError, ValidationError
 
 from ._common import flag, name_param, number, refuse_unknown
 
@@ -97,7 +97,8 @@ class SQSSettings:
         fifo = self.fifo if fifo is None else fifo
         name = self.prefix + queue + (".fifo" if fifo else "")
         if not re.fullmatch(r"[A-Za-z0-9_-]+(\.fifo)?", name) or len(name) > 80:
-            raise BrokerError(
-                f"queue {queue!r}: the SQS queue name {name!r} must be at most 80 letters, "
-                f"digits, '-' or '_' (with the prefix{' and .fifo' if fifo else ''})")
+            raise ValidationError(
+                "queue", f"must make an SQS queue name of at most 80 letters, digits, '-' or "
+                f"'_' with the prefix {self.prefix!r}{' and .fifo' if fifo else ''} "
+                f"({name!r})", queue)
         return name

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from duebox import jobstore
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from duebox.app import Duebox
 
 Started = tuple[jobstore.JobRecord | None, str]
+# Why to discard an early message, or None and its job's due time.
+Checked = tuple[str | None, datetime | None]
 
 
 class Starts:
@@ -34,12 +36,29 @@ class Starts:
         self._seq = itertools.count()
         self._batched: Batched[tuple[JobMessage, float], Started] = Batched(
             "starting", lambda batch: pools().db(self._start_batch, batch))
+        self._checks: Batched[JobMessage, Checked] = Batched(
+            "checking", lambda batch: pools().db(self._check_batch, batch))
 
     async def start(self, message: JobMessage, ahead: float) -> Started:
         """Start the message's job (``ahead``: seconds before its due time it
         may be); its leased record, or None and why not (``not_due``,
         ``stale_version``, ``cancelled``, ...)."""
         return await self._batched.call((message, ahead))
+
+    async def check_early(self, message: JobMessage) -> Checked:
+        """Before an early message is held or deferred: why to discard it, or
+        None and its job's due time (see jobstore.check_early)."""
+        return await self._checks.call(message)
+
+    def _check_batch(self, batch: list[JobMessage]) -> list[Checked]:
+        with db_errors("check"), self.app.engine.connect() as conn:
+            return jobstore.check_early(conn, batch)
+
+    def give_back(self, message: JobMessage) -> int:
+        """See jobstore.give_back (runs in a thread)."""
+        with db_errors("give back"), self.app.engine.begin() as conn:
+            return jobstore.give_back(conn, job_id=message.job_id, version=message.version,
+                                      now=self.app.clock.now())
 
     def _start_batch(self, batch: list[tuple[JobMessage, float]]) -> list[Started]:
         s = self.app.settings

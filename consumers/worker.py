@@ -23,6 +23,7 @@ import contextlib
 import functools
 import gc
 import logging
+import random
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -37,12 +38,14 @@ from duebox.batched import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
 from duebox.db import db_errors
-from duebox.errors import DatabaseError, ValidationError
+from duebox.errors import ConfigurationError, DatabaseError, DueboxError, ValidationError
 from duebox.failures import FailureClass, Verdict
 from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
-from duebox.message import check_stored_payload
+from duebox.logs import CollapsedLog, kind_of
+from duebox.message import JobMessage, check_stored_payload
 from duebox.metrics import Metrics, process_metrics, seconds
+from duebox.registry import check_queue_name
 from duebox.tasks import Task
 
 from .dedupe import SQLDedupeStore
@@ -62,6 +65,9 @@ _RETRY_DELIVERY_SECONDS = 5.0
 # A message that arrives this close before its due time is held in the
 # worker; further out it goes back to the broker.
 _EARLY_HOLD_SECONDS = 1.0
+# The shortest deferral: a job found not yet due after all is looked at again
+# this much later, not in a tight loop.
+_MIN_DEFER_SECONDS = 0.1
 
 
 @dataclass
@@ -126,6 +132,7 @@ class Worker:
         self._real_time = follows_real_time(app.clock)
         self._received = self.metrics.received.labels(self.backend)
         self._by_queue: dict[str, tuple[Any, Any, Any, Any, Any]] = {}
+        self._log = CollapsedLog(log)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="worker", name=self.name, interval=heartbeat_interval,
             info=self._info)
@@ -134,6 +141,11 @@ class Worker:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Consume until ``stop`` is set, then finish what is running."""
         stop = stop or asyncio.Event()
+        for queue in self.queues:  # a worker told to consume what no job can be in
+            try:
+                check_queue_name(self.broker.url, queue)
+            except ValidationError as exc:
+                raise ConfigurationError(f"queues: {exc}") from None
         if not await open_broker(self.broker, stop):
             return
         self.pools = Pools.for_worker(self.concurrency)
@@ -189,6 +201,11 @@ class Worker:
             log.warning("warming up the worker's connections failed: %s", exc)
 
     async def _consume(self) -> None:
+        """Hand every delivery to a task of its own.  Whatever a broker or
+        database client raises (an outage, a driver's own bug) ends this
+        round only: logged, and consumption starts again after a jittered
+        backoff.  A configuration error stops the worker (it would fail the
+        same way every time)."""
         backoff = 0.1
         while True:
             try:
@@ -197,29 +214,36 @@ class Worker:
                         self._room.clear()
                         await self._room.wait()
                     self._in_hand += 1
+                    self._log.flush()  # counts of errors that stopped a while ago
                     t = asyncio.create_task(self._guarded(delivery))
                     self._tasks.add(t)
                     t.add_done_callback(self._tasks.discard)
                 backoff = 0.1
-            except DatabaseError as exc:
-                log.warning("consume failed (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
+            except ConfigurationError:
+                raise
+            except Exception as exc:
+                wait = backoff * (0.5 + random.random())
+                self._log.warning(f"consume:{kind_of(exc)}", "consuming failed (%s: %s); "
+                                  "retrying in %.1fs", type(exc).__name__, exc, wait,
+                                  exc_info=not isinstance(exc, DueboxError))
+                await asyncio.sleep(wait)
                 backoff = min(backoff * 2, 10.0)
 
     async def _guarded(self, delivery: Delivery) -> None:
         try:
             await self.handle(delivery)
-        except Exception:
+        except Exception as exc:
             # The job stays leased; lease recovery publishes it again.  The
             # broker's message is handed back for later rather than left
             # unacked, where it would hold a prefetch slot until the channel
             # closes (RabbitMQ's consumer_timeout is 30 minutes).
-            log.exception("delivery failed; the job's lease will expire and it will be retried")
+            self._log.warning(f"delivery:{kind_of(exc)}", "delivery failed (%s: %s); the job's "
+                              "lease will expire and it will be retried", type(exc).__name__,
+                              exc, exc_info=not isinstance(exc, DueboxError))
             with contextlib.suppress(Exception):
-                if delivery.claimed is not None:
+                if delivery.claimed is not None or await self.broker.defer(
+                        delivery, _RETRY_DELIVERY_SECONDS) is False:
                     await self.broker.ack(delivery)
-                else:
-                    await self.broker.defer(delivery, _RETRY_DELIVERY_SECONDS)
         finally:
             self._in_hand -= 1
             self._room.set()
@@ -231,18 +255,20 @@ class Worker:
         self._received.inc()
         msg = delivery.message
         if msg is None:
-            self._discard("undecodable")
-            log.warning("rejected a message that is not a duebox message: %s",
-                        delivery.decode_error)
-            await self.broker.reject(delivery, delivery.decode_error or "undecodable")
+            reason = delivery.decode_reason
+            self._discard(reason)
+            self._log.warning(f"reject:{reason}", "rejected a message that is not a duebox "
+                              "message (%s): %s", reason, delivery.decode_error)
+            await self.broker.reject(delivery, delivery.decode_error or reason)
             return
         clock = self.app.clock
         early = (msg.due_at - clock.now()).total_seconds()
         if early > _EARLY_HOLD_SECONDS and delivery.claimed is None:
-            self.stats.deferred += 1
-            self.metrics.deferred.labels(self.backend).inc()
-            await self.broker.defer(delivery, early)
-            return
+            # Held or deferred only if the job table says it may wait.
+            checked = await self._early(delivery, msg)
+            if checked is None:
+                return
+            early = checked
         rec = delivery.claimed
         obtained = delivery.claimed_at
         if rec is None:
@@ -254,9 +280,9 @@ class Worker:
             rec, reason = await self.starts.start(msg, max(0.0, early))
             if rec is None:
                 if reason == "not_due":
-                    self.stats.deferred += 1
-                    self.metrics.deferred.labels(self.backend).inc()
-                    await self.broker.defer(delivery, 1.0)
+                    checked = await self._early(delivery, msg)
+                    if checked is not None:  # due by now after all: look again shortly
+                        await self._defer(delivery, msg, max(checked, _MIN_DEFER_SECONDS))
                 else:
                     self._discard(reason)
                     await self.broker.reject(delivery, reason)
@@ -302,6 +328,39 @@ class Worker:
             await self.broker.ack(delivery)
             return
         await self._execute(task, rec, obtained, early)
+        await self.broker.ack(delivery)
+
+    async def _early(self, delivery: Delivery, msg: JobMessage) -> float | None:
+        """A message that came before its due time, checked against the job
+        table before it is held or deferred: one for no job, a stale version
+        or a finished job is discarded (forged or replayed messages must not
+        occupy the broker or the worker); one whose job is not due within
+        the hold window is deferred to the *job's* due time.  Returns the
+        seconds until that due time when the job is to be started now."""
+        reason, due_at = await self.starts.check_early(msg)
+        if reason is not None or due_at is None:
+            reason = reason or "unknown_job"
+            self._discard(reason)
+            await self.broker.reject(delivery, reason)
+            return None
+        early = (due_at - self.app.clock.now()).total_seconds()
+        if early > _EARLY_HOLD_SECONDS:
+            await self._defer(delivery, msg, early)
+            return None
+        return early
+
+    async def _defer(self, delivery: Delivery, msg: JobMessage, seconds: float) -> None:
+        """Hand the message back to the broker for ``seconds``; if the broker
+        cannot take it back, the job goes back to the job table (the relay
+        publishes it when due) and the message is dropped: never a loop."""
+        self.stats.deferred += 1
+        self.metrics.deferred.labels(self.backend).inc()
+        # ``is False``: a backend of another package whose defer() predates
+        # the bool (returns None) still counts as having taken it back.
+        if await self.broker.defer(delivery, seconds) is not False:
+            return
+        await self.pools.db(self.starts.give_back, msg)
+        self._discard("defer_refused")
         await self.broker.ack(delivery)
 
     def _checks_in_thread(self, rec: jobstore.JobRecord) -> bool:

@@ -31,7 +31,7 @@ from .producer import (
     reschedule_steps,
     resolve_due,
 )
-from .registry import broker_class, check_broker_url, message_limit
+from .registry import broker_class, check_broker_url, check_queue_name, message_limit
 from .schedules import Schedules
 from .targets import AsyncTarget, SyncTarget
 from .tasks import Handler, RetryPolicy, Task, check_task_seconds, validate_task_options
@@ -82,9 +82,12 @@ class Duebox:
 
     def configure(self, **changes: Any) -> None:
         """Change settings (``database_url=``, ``broker_url=``, ``batch_size=`` ...),
-        checked like the constructor's; ``None`` values are ignored."""
+        checked like the constructor's; ``None`` values are ignored.  A new
+        broker must be able to use every registered task's queue."""
         settings = self.settings.with_(**changes)
         check_broker_url(settings.broker_url)
+        for task in self.tasks.values():
+            check_queue_name(settings.broker_url, task.queue)
         if settings.database_url != self.settings.database_url and self._own_engine:
             self.dispose()
         self.settings = settings
@@ -154,6 +157,7 @@ class Duebox:
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
+        check_queue_name(self.settings.broker_url, queue)
         check_task_seconds(timeout=timeout, max_lateness=max_lateness,
                            lease_seconds=lease_seconds)
         if not isinstance(group_commit, bool):
@@ -217,6 +221,7 @@ class Duebox:
         clock: with the default :class:`DatabaseClock`, the database server's.
         """
         task = self.get_task(name)
+        check_queue_name(self.settings.broker_url, task.queue)
         due_at, span = resolve_due(self.clock.now(), at, delay)
         check_optional_str("key", key, 400)
         check_optional_str("tenant", tenant, 200)

@@ -16,7 +16,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from .logs import CollapsedLog, kind_of
+
 log = logging.getLogger("duebox.worker")
+# An outage fails every batch the same way: once per kind per interval.
+_log = CollapsedLog(log)
 
 I = TypeVar("I")  # noqa: E741 - the item type, as in the signature below
 R = TypeVar("R")
@@ -89,8 +93,8 @@ class Batched(Generic[I, R]):
             except Exception as exc:
                 if len(batch) == 1:
                     raise
-                log.warning("%s for %d jobs together failed (%s); trying each alone",
-                            self.what, len(batch), exc)
+                _log.warning(f"{self.what}:{kind_of(exc)}", "%s for %d jobs together failed "
+                             "(%s); trying each alone", self.what, len(batch), exc)
                 for c in batch:
                     try:
                         await self._attempt([c])

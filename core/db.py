@@ -27,6 +27,7 @@ from .errors import (
     MissingDependencyError,
     PermissionDeniedError,
 )
+from .logs import CollapsedLog
 from .message import lenient_json
 
 log = logging.getLogger("duebox.db")
@@ -71,6 +72,10 @@ def create_sync_engine(url: str | URL, **kw: Any) -> Engine:
         kw.setdefault("max_overflow", 20)
         if backend in _MYSQL:
             kw.setdefault("isolation_level", MYSQL_ISOLATION)
+        # A JSON value that does not parse, or nests too deep to parse safely
+        # (a row edited by hand: PostgreSQL's JSONB takes 5,000 levels), must
+        # not make a claim raise (see message.lenient_json).
+        kw.setdefault("json_deserializer", lenient_json)
         engine = create_engine(parsed, **kw)
         if not kw.get("pool_pre_ping"):
             ping_when_idle(engine)
@@ -102,7 +107,8 @@ def create_async_engine_for(url: str | URL) -> AsyncEngine:
             event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
             return engine
         async_engine = create_async_engine(
-            parsed, **({"isolation_level": MYSQL_ISOLATION} if backend in _MYSQL else {}))
+            parsed, json_deserializer=lenient_json,
+            **({"isolation_level": MYSQL_ISOLATION} if backend in _MYSQL else {}))
         ping_when_idle(async_engine.sync_engine)
         return async_engine
     except ModuleNotFoundError as exc:
@@ -351,6 +357,7 @@ class PgWaker:
         self._channel = channel
         self.event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._log = CollapsedLog(log)
 
     async def start(self) -> None:
         if self._url.get_backend_name() != "postgresql":
@@ -373,7 +380,8 @@ class PgWaker:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
+                self._log.warning("listen", "LISTEN connection lost (%s); polling until it is "
+                                  "back", exc)
                 await asyncio.sleep(1.0)
 
     async def stop(self) -> None:

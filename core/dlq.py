@@ -117,7 +117,8 @@ def check_operator(operator: object, reason: object) -> tuple[str, str]:
 # replay's last due time would leave the calendar (duebox.values.LATEST).
 MIN_RATE = 0.001
 
-ERROR_CLASSES = (*(str(c) for c in FailureClass), "lost", "expired")
+# "refused": a publish the broker refuses for good (relay/refusals.py).
+ERROR_CLASSES = (*(str(c) for c in FailureClass), "lost", "expired", "refused")
 
 
 def check_error_class(error_class: object) -> str | None:

@@ -59,7 +59,14 @@ class UnknownTaskError(ValidationError):
 
 
 class MessageDecodeError(ValidationError):
-    """A broker message that cannot be a duebox message."""
+    """A broker message that cannot be a duebox message.  ``reason`` is what
+    the worker counts its discard as (``duebox_jobs_discarded_total``):
+    ``undecodable``, ``too_large`` or ``too_deep``."""
+
+    def __init__(self, field: str, rule: str, value: object = ..., *,
+                 reason: str = "undecodable") -> None:
+        super().__init__(field, rule, value)
+        self.reason = reason
 
 
 class DatabaseError(DueboxError):

@@ -266,16 +266,62 @@ def _mark_stmt(owner: str, now: datetime, chosen: ColumnElement[bool],
         updated_at=now))
 
 
-def release(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime) -> int:
-    """Hand claimed jobs back (a publish failed): DISPATCHING → SCHEDULED."""
+def release(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
+            error: str | None = None) -> int:
+    """Hand claimed jobs back (a publish failed): DISPATCHING → SCHEDULED;
+    ``error``, the broker's reason, goes to ``last_error``."""
     if not ids:
         return 0
+    values: dict[str, Any] = {"last_error": error} if error is not None else {}
     return conn.execute(_by_primary_key(
         update(job)
         .where(job.c.id.in_(list(ids)), job.c.state == JobState.DISPATCHING,
                job.c.lease_owner == owner)
-        .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None, updated_at=now)
+        .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None, updated_at=now,
+                **values)
     )).rowcount
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A claimed job whose message the broker refuses for good, why, and
+    when to try it again if it has attempts left."""
+
+    record: JobRecord
+    error: str
+    retry_at: datetime
+
+
+def refuse(conn: Connection, *, owner: str, refusals: Sequence[Refusal], worker: str,
+           now: datetime) -> tuple[int, int]:
+    """Jobs whose message the broker refuses every time (a queue name it
+    cannot use, a message over its size limit): the refusal is a failed
+    attempt, with the broker's reason in ``last_error`` and an attempt row.
+    The job is tried again at ``retry_at`` with a new version, or goes DEAD
+    once its attempts are used up — never claimed and released forever.
+    Fenced by the claim's owner.  Returns (retried, dead)."""
+    retried = dead = 0
+    for r in refusals:
+        rec = r.record
+        claimed = (update(job).where(job.c.id == rec.id, job.c.state == JobState.DISPATCHING,
+                                     job.c.lease_owner == owner))
+        failed = {"attempt": job.c.attempt + 1, "error_class": "refused", "last_error": r.error,
+                  "lease_owner": None, "lease_until": None, "updated_at": now}
+        moved = conn.execute(_by_primary_key(
+            claimed.where(job.c.attempt + 1 >= job.c.max_attempts).values(
+                state=JobState.DEAD, finished_at=now, **failed))).rowcount
+        dead += moved
+        if not moved:
+            moved = conn.execute(_by_primary_key(claimed.values(
+                state=JobState.SCHEDULED, due_at=r.retry_at, version=job.c.version + 1,
+                **failed))).rowcount
+            retried += moved
+        if moved:
+            conn.execute(attempt.insert().values(
+                id=uuid7(), job_id=rec.id, number=rec.attempt + 1, worker=worker,
+                lease_generation=rec.lease_generation, outcome="refused",
+                error_class="refused", error=r.error, started_at=now, finished_at=now))
+    return retried, dead
 
 
 def expire(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime) -> int:
@@ -674,17 +720,62 @@ def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> str
     if row is None:
         return "unknown_job"
     state, version, due_at, expires_at = row
+    refused = _not_runnable(message, state, version)
+    if refused is not None:
+        return refused
+    if due_at > now:
+        return "not_due"
+    if expires_at is not None and expires_at <= now:
+        return "expired"
+    return "locked"
+
+
+def _not_runnable(message: JobMessage, state: str, version: int) -> str | None:
+    """Why a message cannot run the job in this state and version (None: it can)."""
     if state == JobState.CANCELLED:
         return "cancelled"
     if version != message.version:
         return "stale_version"
     if state not in STARTABLE_STATES:
         return "already_" + str(state).lower()
-    if due_at > now:
-        return "not_due"
-    if expires_at is not None and expires_at <= now:
-        return "expired"
-    return "locked"
+    return None
+
+
+def check_early(conn: Connection, messages: Sequence[JobMessage]
+                ) -> list[tuple[str | None, datetime | None]]:
+    """For messages that came before their due time, before any of them is
+    held or deferred: per message, why to discard it (``unknown_job``,
+    ``stale_version``, ``cancelled``, ``already_<state>``, ``forged``: the
+    right id naming another task or queue) or None and the job's own due
+    time, which the message's may only claim.  Anyone who can write to a
+    queue can send a well-formed message due in an hour for a job that does
+    not exist; deferred blindly, 40 of them filled RabbitMQ's prefetch window
+    and no real job ran.  One query for the batch."""
+    rows = {row.id: row for row in conn.execute(
+        select(job.c.id, job.c.state, job.c.version, job.c.due_at, job.c.task, job.c.queue)
+        .where(job.c.id.in_(list({m.job_id for m in messages}))))}
+    out: list[tuple[str | None, datetime | None]] = []
+    for message in messages:
+        row = rows.get(message.job_id)
+        if row is None:
+            out.append(("unknown_job", None))
+            continue
+        refused = _not_runnable(message, row.state, row.version)
+        if refused is None and (row.task, row.queue) != (message.task, message.queue):
+            refused = "forged"  # deferred, it would go where the forger says
+        out.append((refused, None) if refused is not None else (None, row.due_at))
+    return out
+
+
+def give_back(conn: Connection, *, job_id: uuid.UUID, version: int, now: datetime) -> int:
+    """An ENQUEUED job whose message a worker could not put back in the
+    broker (a deferral the broker refused) returns to SCHEDULED, fenced by
+    version, and the relay publishes it again when due."""
+    return conn.execute(_by_primary_key(
+        update(job)
+        .where(job.c.id == job_id, job.c.version == version, job.c.state == JobState.ENQUEUED)
+        .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None, updated_at=now)
+    )).rowcount
 
 
 def _fenced(rec: JobRecord) -> Any:
@@ -893,7 +984,9 @@ __all__ = [
     "EnqueuedRef",
     "JobRecord",
     "Recovered",
+    "Refusal",
     "any_too_late",
+    "check_early",
     "checkpoint_stmt",
     "claim_for_dispatch",
     "claim_for_run",
@@ -903,12 +996,14 @@ __all__ = [
     "expire",
     "expire_overdue",
     "finish_attempt_stmt",
+    "give_back",
     "heartbeat_stmt",
     "mark_and_claim",
     "mark_enqueued",
     "next_due",
     "recover",
     "recover_owned",
+    "refuse",
     "release",
     "requeue_lost",
     "retry_stmt",

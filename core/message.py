@@ -3,12 +3,26 @@
 The body is JSON; the same fields also travel as headers/attributes
 (``duebox-id`` ...) so a consumer can dedupe and validate without parsing the
 body.  :func:`JobMessage.decode` is the boundary check for anything arriving
-from a broker.
+from a broker: anyone who can write to a queue can send it anything.
+
+Before parsing, decode bounds what it parses.  Size: at most the broker's
+own message limit (``max_bytes``; a body larger than the broker carries is not
+from duebox).  Depth: arrays and objects nested at most
+:data:`MAX_JSON_DEPTH` deep, counted by :func:`too_deep` without parsing.
+``json.loads`` recurses once per level, and 1,000 bytes of ``[`` raised
+``RecursionError`` out of the consumer (it stopped every worker of the
+queue).  200 levels leave the parser far from Python's recursion limit
+whatever the caller's stack, and are far more than any envelope needs:
+``schedule()`` refuses payloads and headers nested deeper than
+:data:`PAYLOAD_MAX_DEPTH` (the envelope adds one level), so everything duebox
+publishes decodes.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,6 +41,57 @@ HEADER_TASK = "duebox-task"
 # json.dumps(separators=...) builds an encoder per call: a relay hot spot.
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 
+MAX_JSON_DEPTH = 200
+PAYLOAD_MAX_DEPTH = MAX_JSON_DEPTH - 1  # the envelope object is the first level
+# A JSON column read from the database (a payload, a checkpoint) may nest this
+# deep; a row nested deeper (written by hand) reads as UndecodableJSON.  Far
+# enough below the parser's recursion limit from any thread's stack.
+STORED_MAX_DEPTH = 500
+# The largest body decode() parses when the broker names no limit of its own
+# (memory://): Redis's string limit, the largest any backend carries.
+MAX_BODY_BYTES = 512 * 1024 * 1024
+
+# A JSON string (escapes included), whose brackets are text, not structure.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# Brackets to +1 / -1 (as signed bytes), everything else deleted.
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_CHUNK = 1 << 16
+
+
+def too_deep(text: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON ``text`` nests arrays and objects more than ``limit``
+    deep, found without parsing it: the brackets outside strings, counted.
+
+    A body with at most ``limit`` opening brackets (nearly every real
+    message) is answered by two ``count()`` calls.  Otherwise the brackets
+    become +1/-1 steps; passes that drop adjacent open-close pairs (each
+    lowers the deepest level by exactly one, at the speed of ``replace``)
+    shrink wide structures first, and the running sum of what is left is the
+    depth.  Linear in the size and cheaper than parsing; malformed text may
+    be over-counted, never under-counted (it does not parse anyway)."""
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    steps = _STRING.sub(b"", raw).translate(_STEPS, _NOT_BRACKETS)
+    removed = 0
+    while steps and removed < limit:
+        fewer = steps.replace(b"\x01\xff", b"")
+        if len(fewer) == len(steps):
+            break
+        shrunk_well = len(fewer) * 4 <= len(steps) * 3
+        steps, removed = fewer, removed + 1
+        if not shrunk_well:
+            break
+    depth, most = 0, limit - removed
+    for start in range(0, len(steps), _CHUNK):
+        levels = list(itertools.accumulate(memoryview(steps[start:start + _CHUNK]).cast("b"),
+                                           initial=depth))
+        if max(levels) > most:
+            return True
+        depth = levels[-1]
+    return False
+
 
 class UndecodableJSON(str):
     """The text of a JSON column that does not parse: a row written by hand
@@ -36,17 +101,22 @@ class UndecodableJSON(str):
 
 
 def lenient_json(text: str | bytes) -> Any:
-    """The engines' JSON deserializer: a stored value that does not parse
-    becomes an :class:`UndecodableJSON` instead of an exception in a claim."""
+    """The engines' JSON deserializer: a stored value that does not parse (or
+    nests too deep to parse safely) becomes an :class:`UndecodableJSON`
+    instead of an exception in a claim."""
     try:
-        return json.loads(text)
-    except ValueError:
-        return UndecodableJSON(text if isinstance(text, str) else text.decode("utf-8", "replace"))
+        if not too_deep(text, STORED_MAX_DEPTH):
+            return json.loads(text)
+    except (ValueError, RecursionError):
+        pass
+    return UndecodableJSON(text if isinstance(text, str) else text.decode("utf-8", "replace"))
 
 
 def check_stored_payload(payload: object) -> None:
     if isinstance(payload, UndecodableJSON):
-        raise MessageDecodeError("payload", "the stored value is not valid JSON", str(payload))
+        raise MessageDecodeError(
+            "payload", f"the stored value is not valid JSON (or nests more than "
+            f"{STORED_MAX_DEPTH} levels deep)", str(payload)[:100])
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +155,22 @@ class JobMessage:
         }
 
     @classmethod
-    def decode(cls, body: bytes | str) -> JobMessage:
+    def decode(cls, body: bytes | str, max_bytes: int | None = None) -> JobMessage:
+        """The message in ``body``, or :class:`MessageDecodeError` naming the
+        field; ``max_bytes``: the broker's message limit (see the module's
+        docstring for the bounds checked before parsing)."""
+        limit = MAX_BODY_BYTES if max_bytes is None else max_bytes
+        raw = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
+        if len(raw) > limit:
+            raise MessageDecodeError("body", f"must be at most {limit} bytes (the broker's "
+                                     "message limit)", f"{len(raw)} bytes", reason="too_large")
+        if too_deep(raw):
+            raise MessageDecodeError("body", f"must nest at most {MAX_JSON_DEPTH} levels deep",
+                                     raw[:40], reason="too_deep")
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise MessageDecodeError("body", "must be a JSON duebox message", body) from exc
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise MessageDecodeError("body", "must be a JSON duebox message", raw[:100]) from exc
         if not isinstance(data, dict):
             raise MessageDecodeError("body", "must be a JSON object", body)
         if data.get("format") != FORMAT:

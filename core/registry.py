@@ -3,12 +3,13 @@ until its backend is used."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ValidationError
 
 BROKERS: dict[str, str] = {
     "sql": "duebox.brokers.sql:SQLBroker",
@@ -68,6 +69,33 @@ def effective_max_delay(native: float | None, params: dict[str, str]) -> float |
             f"broker_url: max_delay={raw} exceeds this backend's ceiling of {native:g} s"
         )
     return value
+
+
+QUEUE_NAME_MAX = 200  # the job table's queue column
+
+
+def check_queue_name(url: str, name: object) -> None:
+    """Refuse, with :class:`ValidationError` naming ``queue``, a queue name the
+    backend of ``url`` cannot use: every backend's rule (a non-empty string of
+    at most 200 printable characters: no control, format or surrogate
+    characters), then the backend's own (``Broker.check_queue_name``: AMQP
+    wildcards and name lengths, SQS and Kafka character sets, Redis hash
+    tags).  Called when a task is registered and when a job is scheduled, so
+    an unusable name fails in the caller's hands, not in the relay after the
+    commit.  Checks no broker over the network; a name once accepted for a
+    URL is remembered."""
+    if not isinstance(name, str) or not name or len(name) > QUEUE_NAME_MAX:
+        raise ValidationError("queue", f"must be a non-empty string of at most "
+                              f"{QUEUE_NAME_MAX} characters", name)
+    _check_for_backend(url, name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_for_backend(url: str, name: str) -> None:
+    if not name.isprintable():
+        raise ValidationError("queue", "must be printable text (no control, format or "
+                              "surrogate characters)", name)
+    broker_class(url).check_queue_name(url, name)
 
 
 def register_broker(scheme: str, target: str) -> None:

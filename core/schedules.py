@@ -48,6 +48,7 @@ from .producer import (
     dialect_of,
     drive,
 )
+from .registry import check_queue_name
 from .states import JobState
 from .tables import audit, job, schedule
 from .targets import AsyncTarget, SyncTarget
@@ -343,6 +344,8 @@ class Schedules:
         registered = self._app.get_task(task)  # a name with NUL is never registered
         queue = options.get("queue")
         check_optional_str("queue", queue, 200)
+        if queue is not None:
+            check_queue_name(self._app.settings.broker_url, queue)
         rule = Rule(cron, options.get("timezone", "UTC"),  # type: ignore[arg-type]
                     gap=options.get("gap", DEFAULT_GAP), fold=options.get("fold", DEFAULT_FOLD))
         misfire = check_policy("misfire", options.get("misfire", DEFAULT_MISFIRE),

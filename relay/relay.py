@@ -32,6 +32,7 @@ import heapq
 import itertools
 import logging
 import math
+import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -42,14 +43,16 @@ from typing import TYPE_CHECKING, Any
 from duebox import jobstore
 from duebox.brokers.base import Broker, Outgoing, open_broker
 from duebox.db import PgWaker, db_errors, parse_database_url
-from duebox.errors import BrokerError, ConfigurationError, DatabaseError
+from duebox.errors import ConfigurationError, DatabaseError, DueboxError
 from duebox.heartbeat import ProcessHeartbeat, prune
 from duebox.ids import process_token
+from duebox.logs import CollapsedLog, kind_of
 from duebox.metrics import DBCollector, Metrics, process_metrics, seconds
 from duebox.takeover import Takeover
 
 from .catchup import CatchUp
 from .fairness import DispatchPolicy
+from .refusals import Refusals
 from .scale import ScaleControls
 from .schedules import ScheduleStep
 from .shards import ShardConfig
@@ -181,6 +184,8 @@ class Relay:
         # ids); the next claim's transaction marks them (see _pipeline).
         self._unmarked: list[tuple[str, list[uuid.UUID]]] = []
         self.collector = DBCollector(self.metrics, interval=collect_interval)
+        self._log = CollapsedLog(log)
+        self.refusals = Refusals(app, self.name, self._log)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
             info=self._info, tick=self._collect, tick_interval=collect_interval)
@@ -486,22 +491,22 @@ class Relay:
         started = time.monotonic()
         try:
             results = await self.broker.publish(batch)
-        except BrokerError as exc:
+        except Exception as exc:  # an outage, or any client's own exception
             self.scale.backpressure.observe(len(batch), time.monotonic() - started, error=True)
-            log.warning("publish of %d jobs failed: %s", len(batch), exc)
+            self._log.warning(f"publish:{kind_of(exc)}", "publish of %d jobs failed: %s: %s",
+                              len(batch), type(exc).__name__, exc)
             stats.failed += len(batch)
+            # Back at once, not after their leases: the next pass tries again.
             await asyncio.to_thread(self._db, jobstore.release, owner, [r.id for r in records])
             raise
         ok = [r.job_id for r in results if r.ok]
-        failed = [r.job_id for r in results if not r.ok]
+        failed = [r for r in results if not r.ok]
         self.scale.backpressure.observe(len(batch), time.monotonic() - started, refused=len(failed))
         stats.published += len(ok)
         self._observe_published(records, set(ok), now, claimed_at)
         if failed:
             stats.failed += len(failed)
-            log.warning("broker refused %d of %d messages; they go back to SCHEDULED",
-                        len(failed), len(results))
-            await asyncio.to_thread(self._db, jobstore.release, owner, failed)
+            await self.refusals.handle(records, owner, failed, len(results))
         return ok
 
     def _observe_published(self, records: list[jobstore.JobRecord], ok: set[object],
@@ -663,8 +668,12 @@ class Relay:
         return max(0.0, min(waits) - (self.app.clock.now() - now).total_seconds())
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Run passes until ``stop`` is set; database and broker outages are
-        retried with backoff, never fatal."""
+        """Run passes until ``stop`` is set.  Whatever a pass raises —
+        database and broker outages, and any exception from their clients
+        (aiokafka's admin client raised ``AttributeError`` while the cluster
+        had no controller) — is logged, once per kind per interval, and the
+        pass is retried after a jittered backoff; only a configuration error
+        (it would fail the same way every time) ends the relay."""
         from duebox.brokers._waiting import wait_any
 
         stop = stop or asyncio.Event()
@@ -687,11 +696,16 @@ class Relay:
                     await self.run_pass()
                     wait = await asyncio.to_thread(self._seconds_until_next)
                     backoff = 0.1
-                except (DatabaseError, BrokerError) as exc:
+                    self._log.flush()
+                except ConfigurationError:
+                    raise
+                except Exception as exc:
                     self.totals.errors += 1
                     self.metrics.relay_errors.labels(self.backend).inc()
-                    log.warning("relay pass failed (%s); retrying in %.1fs", exc, backoff)
-                    wait = backoff
+                    wait = backoff * (0.5 + random.random())
+                    self._log.warning(f"pass:{kind_of(exc)}", "relay pass failed (%s: %s); "
+                                      "retrying in %.1fs", type(exc).__name__, exc, wait,
+                                      exc_info=not isinstance(exc, DueboxError))
                     backoff = min(backoff * 2, 10.0)
                 await wait_any(wait, waker.event, stop)
                 waker.event.clear()
@@ -725,11 +739,15 @@ class Relay:
             stats = PassStats()
             try:
                 await self._release_held(stats)
-            except (DatabaseError, BrokerError) as exc:
+            except ConfigurationError:
+                raise
+            except Exception as exc:
                 # The failed batch went back to SCHEDULED (or its lease expires).
                 self.totals.errors += 1
-                log.warning("publishing held jobs failed (%s)", exc)
-                await wait_any(0.1, stop)
+                self._log.warning(f"held:{kind_of(exc)}", "publishing held jobs failed (%s: %s)",
+                                  type(exc).__name__, exc,
+                                  exc_info=not isinstance(exc, DueboxError))
+                await wait_any(0.1 * (0.5 + random.random()), stop)
             self._add(stats, a_pass=False)
 
     async def _give_back_held(self) -> None:

@@ -743,7 +743,9 @@ async def test_duplicate_publishes_run_once(
     extra = broker(amqp_url, "duplicator")
     stop, tasks = await start(relay, worker)
     try:
-        job_id = schedule_committed(app, "effect", delay=1.5)
+        # Due in 3 s: the copies arrive well over a second early (at 1.5 s
+        # they came 0.7-1.0 s early on a busy machine, held, not deferred).
+        job_id = schedule_committed(app, "effect", delay=3.0)
         msg = await until(lambda: _message(app, job_id, "ENQUEUED"), seconds=10,
                           what="published", check=alive(tasks))
         copies = [Outgoing(msg, 0.0), Outgoing(msg, 0.2)]

@@ -45,9 +45,10 @@ from helpers import (
 import duebox
 from duebox import MissingDependencyError, jobstore
 from duebox.brokers.base import BrokerContext, Outgoing
-from duebox.brokers.kafka import KafkaBroker, _Tracker
+from duebox.brokers.kafka import KafkaBroker
+from duebox.brokers.kafka_offsets import OffsetTracker
 from duebox.clock import SystemClock
-from duebox.errors import BrokerError, ConfigurationError
+from duebox.errors import ConfigurationError, ValidationError
 from duebox.message import JobMessage
 from duebox.registry import broker_class
 
@@ -109,7 +110,7 @@ def test_url_parameters_and_capabilities() -> None:
     for bad in ("kafka://", "kafka://h:x", "kafka://h:70000"):
         with pytest.raises(ConfigurationError):
             cls(bad, ctx)
-    with pytest.raises(BrokerError, match="249"):
+    with pytest.raises(ValidationError, match="249"):
         b.settings.topic("x" * 250)
 
 
@@ -126,8 +127,7 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 async def test_offsets_commit_only_up_to_the_oldest_unfinished() -> None:
-    b = broker_class("kafka://h:1")("kafka://h:1", context())
-    tracker = _Tracker(b)
+    tracker = OffsetTracker(asyncio.Event())
     committed: list[dict[Any, int]] = []
 
     ends = {"p0": 100}

@@ -45,7 +45,7 @@ from duebox import MissingDependencyError
 from duebox.brokers.base import BrokerContext, Outgoing
 from duebox.brokers.sqs import SQSBroker
 from duebox.clock import SystemClock
-from duebox.errors import BrokerError, ConfigurationError
+from duebox.errors import BrokerError, ConfigurationError, ValidationError
 from duebox.message import JobMessage
 from duebox.registry import broker_class
 
@@ -120,7 +120,7 @@ def test_url_parameters_and_capabilities() -> None:
         cls("sqs://h:1?endpoint=http://x:2", ctx)
     with pytest.raises(ConfigurationError, match="secret"):
         cls("sqs://onlykey@h:1", ctx)
-    with pytest.raises(BrokerError, match="80"):
+    with pytest.raises(ValidationError, match="80"):
         b.settings.queue_name("x" * 80)
 
 

@@ -15,6 +15,8 @@ from conftest import PG_ADMIN_URL, service_missing
 from helpers import duebox_row_counts
 from sqlalchemy import Engine
 
+from duebox import JobMessage, MessageDecodeError
+
 # For checks that refuse before any SQL is sent, where a second database
 # would only add minutes: the tests that do write run on PostgreSQL too.
 SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -69,3 +71,10 @@ def scratch_database(prefix: str, roles: Sequence[str] = ()) -> Iterator[str]:
             for role in roles:
                 conn.execute(sa.text(f'DROP ROLE IF EXISTS "{role}"'))
         admin.dispose()
+
+def decode_or_field(raw: bytes) -> JobMessage | str:
+    """The message, or the name of the field decode refused."""
+    try:
+        return JobMessage.decode(raw)
+    except MessageDecodeError as exc:
+        return exc.field

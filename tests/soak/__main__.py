@@ -47,7 +47,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="the broker ceiling (?max_delay=); delays go to 1.5x this")
     p.add_argument("--faults", default="default",
                    help="'default' (safe kinds), 'none', or names: kill,stop,proxy-cut,"
-                        "proxy-stall,proxy-slow,pg-drop,broker-flush,broker-restart,"
+                        "proxy-stall,proxy-slow,pg-drop,hostile,broker-flush,broker-restart,"
                         "pg-restart,skew (the last three touch shared servers or need "
                         "libfaketime: only when named)")
     p.add_argument("--fault-gap", type=float, nargs=2, metavar=("MIN", "MAX"),
@@ -163,6 +163,9 @@ def main(argv: list[str]) -> int:
         # Other work on the machine shows in every timing figure: say how busy it was.
         verdict.figures["machine load (1-min average, start / end)"] = (
             f"{load_start:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        if "hostile" in args.fault_kinds:
+            verdict.figures["hostile messages written into the broker"] = str(
+                injector.hostile_sent)
         if died:
             verdict.failures["processes that died on their own"] = died
         if injector.errors:

@@ -21,12 +21,15 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from tests.backends import rabbitmqctl
+from tests.hostile import Forger, hostile_mix
 from tests.soak.app import LEASE_SECONDS
 from tests.soak.fleet import Fleet
 from tests.soak.services import HARNESS_APP_NAME, Stand, wait_until
 
-SAFE = ("kill", "stop", "proxy-cut", "proxy-stall", "proxy-slow", "pg-drop")
+SAFE = ("kill", "stop", "proxy-cut", "proxy-stall", "proxy-slow", "pg-drop", "hostile")
 ALL = (*SAFE, "broker-flush", "broker-restart", "pg-restart", "skew")
+# What the "hostile" fault writes into the broker each time (tests/hostile.py).
+HOSTILE_FORGED = 40
 SKEW_SECONDS = 5.0
 
 
@@ -40,7 +43,8 @@ def parse_faults(spec: str, backend: str) -> list[str]:
     if spec == "none":
         return []
     if spec == "default":
-        kinds = [k for k in SAFE if backend != "kafka" or not k.startswith("proxy")]
+        kinds = [k for k in SAFE if (backend != "kafka" or not k.startswith("proxy"))
+                 and (backend != "sql" or k != "hostile")]
         if backend == "redis":
             kinds += ["broker-flush", "broker-restart"]
         if backend == "sqs":  # the soak's own LocalStack
@@ -57,6 +61,9 @@ def parse_faults(spec: str, backend: str) -> list[str]:
                                "(sql: use pg-restart; kafka: not supported here)")
     if any(k.startswith("proxy") for k in kinds) and backend == "kafka":
         raise FaultConfigError("--faults: proxy faults need a proxy; kafka:// has none")
+    if "hostile" in kinds and backend == "sql":
+        raise FaultConfigError("--faults: hostile writes into a broker; sql:// has none "
+                               "(its rows are the messages)")
     return kinds
 
 
@@ -84,6 +91,7 @@ class Injector:
         self.skew: float | None = None  # fixed offset for "skew" (default: ±5 s at random)
         self.events: list[FaultEvent] = []
         self.errors: list[str] = []
+        self.hostile_sent = 0  # bodies the "hostile" fault wrote into the broker
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
 
@@ -163,6 +171,17 @@ class Injector:
 
     def _proxy_slow(self) -> str:
         return self._proxy("slow")
+
+    def _hostile(self) -> str:
+        """Write what anyone who can reach the broker could: envelopes for
+        jobs that do not exist, due in an hour, naming a queue RabbitMQ
+        cannot use; JSON nested 1,000 and 5,000 deep; garbage.  Straight to
+        the broker, around the proxy (a cut must not stop the forger)."""
+        bodies = hostile_mix(HOSTILE_FORGED)
+        with Forger(self.stand.direct_broker_url) as forger:
+            forger.send_all(bodies)
+        self.hostile_sent += len(bodies)
+        return f"{len(bodies)} forged messages"
 
     def _pg_drop(self) -> str:
         """Terminate every connection to the soak's database but the harness's."""

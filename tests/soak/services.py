@@ -152,6 +152,8 @@ class Stand:
     database_url: str = ""  # the harness's own (direct) connection
     proc_database_url: str = ""  # what relays and workers use (through the proxy on sql://)
     broker_url: str = ""
+    # The broker itself, around the proxy: where the "hostile" fault writes.
+    direct_broker_url: str = ""
     proxy: Proxy | None = None
     redis: PrivateRedis | None = None
     localstack: PrivateLocalStack | None = None
@@ -215,6 +217,8 @@ class Stand:
         # after 3 s instead of 30.
         self.broker_url = with_params(f"redis://127.0.0.1:{port}/0", prefix="soak",
                                       max_delay=self.max_delay, claim_idle=3)
+        self.direct_broker_url = with_params(f"redis://127.0.0.1:{self.redis.port}/0",
+                                             prefix="soak")
 
     def _amqp(self) -> None:
         vhost = f"duebox_soak_{uuid.uuid4().hex[:10]}"
@@ -228,6 +232,7 @@ class Stand:
         port = self._proxy_to(parts.hostname or "127.0.0.1", parts.port or 5672)
         base = _with_host(AMQP.rstrip("/"), "127.0.0.1", port)
         self.broker_url = with_params(f"{base}/{vhost}", max_delay=self.max_delay, heartbeat=5)
+        self.direct_broker_url = f"{AMQP.rstrip('/')}/{vhost}"
 
     def _sqs(self) -> None:
         self.localstack = PrivateLocalStack()
@@ -241,6 +246,7 @@ class Stand:
         self.broker_url = with_params(
             queues.url().replace(f"127.0.0.1:{self.localstack.port}", f"127.0.0.1:{port}"),
             max_delay=self.max_delay, check_interval=5)
+        self.direct_broker_url = queues.url()
 
     def _kafka(self) -> None:
         # A mock cluster of the soak's own, on a free port with its own pid
@@ -262,7 +268,7 @@ class Stand:
         finally:
             self.cleanups.append(lambda: shutil.rmtree(run, ignore_errors=True))
         self.cleanups.append(lambda: mock.stop_background(pidfile))
-        self.broker_url = KafkaNames(bootstrap).url()
+        self.broker_url = self.direct_broker_url = KafkaNames(bootstrap).url()
 
     def broker_state(self) -> str:
         """What the broker holds now, for a failed run's diagnostics."""
