@@ -263,6 +263,12 @@ class KafkaBroker(Broker):
                                   ) from exc
             self._topics.add(t)
 
+    def _partitions_assigned(self) -> None:
+        # A new member id: the worker's registry row should say so now
+        # (registry_info), not at its next beat.
+        if self.registry_changed is not None:
+            self.registry_changed()
+
     def registry_info(self) -> dict[str, Any]:
         """This worker's member id in the consumer group, for a peer to
         remove it from the group should it die (:meth:`take_over`)."""
@@ -609,7 +615,7 @@ class KafkaBroker(Broker):
 
     async def _start_consumer(self, topics: list[str]) -> tuple[Any, OffsetTracker]:
         await self._finish_draining()
-        tracker = OffsetTracker(self._freed)
+        tracker = OffsetTracker(self._freed, self._partitions_assigned)
         c = AIOKafkaConsumer(**self.settings.client_options(self.client_id),
                              group_id=self.settings.group, enable_auto_commit=False,
                              auto_offset_reset="earliest",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +53,10 @@ class Truncated(Exception):
 class OffsetTracker(ConsumerRebalanceListener):  # type: ignore[misc]
     """Which offsets may be committed, per partition, across rebalances."""
 
-    def __init__(self, freed: asyncio.Event) -> None:
+    def __init__(self, freed: asyncio.Event,
+                 on_assigned: Callable[[], None] | None = None) -> None:
         self.freed = freed  # set when revoked partitions free prefetch slots
+        self.on_assigned = on_assigned
         self.parts: dict[Any, Partition] = {}
         self.generations = itertools.count(1)
         self.dirty = asyncio.Event()
@@ -119,5 +121,5 @@ class OffsetTracker(ConsumerRebalanceListener):  # type: ignore[misc]
     async def on_partitions_assigned(self, assigned: Any) -> None:
         # A new member id: the worker's registry row should say so now
         # (KafkaBroker.registry_info), not at its next beat.
-        if self.broker.registry_changed is not None:
-            self.broker.registry_changed()
+        if self.on_assigned is not None:
+            self.on_assigned()

@@ -100,10 +100,14 @@ class UndecodableJSON(str):
     into a refusal that dead-letters the job with the reason."""
 
 
-def lenient_json(text: str | bytes) -> Any:
+def lenient_json(text: str | bytes | float) -> Any:
     """The engines' JSON deserializer: a stored value that does not parse (or
     nests too deep to parse safely) becomes an :class:`UndecodableJSON`
     instead of an exception in a claim."""
+    if isinstance(text, int | float):
+        # SQLite's NUMERIC affinity (a JSON column) stores a bare number as
+        # a number and hands it back as one: already decoded.
+        return text
     try:
         if not too_deep(text, STORED_MAX_DEPTH):
             return json.loads(text)

@@ -57,7 +57,7 @@ class RelayProcs(Procs):
 @pytest.fixture(name="relay_procs")
 def _relay_procs(tmp_path: Path) -> Iterator[RelayProcs]:
     """Relay processes of this test, all stopped (resumed first) at the end."""
-    procs = RelayProcs(tmp_path)
+    procs = RelayProcs(tmp_path, LAUNCHER)
     try:
         yield procs
     finally:

@@ -72,7 +72,7 @@ class Procs(ProcessSet):
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
+    p = Procs(tmp_path, LAUNCHER)
     try:
         yield p
     finally:

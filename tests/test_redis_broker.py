@@ -417,10 +417,11 @@ VICTIM = textwrap.dedent("""
 @pytest.mark.slow
 async def test_consumer_killed_mid_message(database_url: str, keys: Keys,
                                            tmp_path: Any) -> None:
-    """SIGKILL a worker process while its handler runs: another consumer takes
-    the pending entry over (and discards it: the job is still RUNNING under
-    the dead worker's lease); once the lease expires the job runs again,
-    once in effect."""
+    """SIGKILL a worker process while its handler runs: its pending entry is
+    taken over — handed on by the relay once the worker is known dead
+    (core/liveness.py), or claimed by another consumer after ``claim_idle``
+    — and the job runs again, once in effect, as a lost attempt then a
+    success."""
     settings = {"lease_seconds": 3.0, "clock_skew_margin": 0.3}
     app = make_app(database_url, url(keys, claim_idle=1), **settings)
 
@@ -471,8 +472,6 @@ async def test_consumer_killed_mid_message(database_url: str, keys: Keys,
                 proc.kill()
                 await proc.wait()
             log.close()
-        assert worker.broker.reclaimed >= 1  # type: ignore[attr-defined]
-        assert worker.stats.discarded.get("already_running", 0) >= 1
         rows = effect_rows(app.engine)
         assert list(rows) == [str(job_id)]
         assert rows[str(job_id)].worker == "survivor"

@@ -274,7 +274,7 @@ class WorkerProcs(Procs):
 
 @pytest.fixture
 def worker_procs(tmp_path: Path) -> Iterator[WorkerProcs]:
-    procs = WorkerProcs(tmp_path)
+    procs = WorkerProcs(tmp_path, LAUNCHER)
     try:
         yield procs
     finally:
