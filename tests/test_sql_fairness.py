@@ -9,7 +9,6 @@ it changes.  The claim and the buckets run on SQLite, PostgreSQL and MariaDB
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -354,25 +353,29 @@ def claimed_count(engine: sa.Engine) -> int:
 
 
 @pytest.mark.slow
-def test_a_global_rate_across_two_sql_workers_stays_within_ten_percent(
+def test_a_global_rate_holds_across_two_sql_workers(
         server_db_url: str, worker_procs: WorkerProcs) -> None:
-    """50 jobs/s shared by two worker processes, counted by this test's own
-    clock (MariaDB keeps whole seconds) over 5 s past the initial burst:
-    within ±10 % of the limit."""
+    """50 jobs/s shared by two worker processes: counted at the claim times
+    the database recorded, the n-th claim never comes before the bucket
+    held n tokens (burst + rate x elapsed), however the two workers race.
+    Per-process buckets would let them claim 100/s.  (How close to the
+    limit the workers get is a throughput figure, bench/fairness.py's, not
+    a correctness one: this test measured it within ±10 % over 5 s and
+    failed 3 times in 13 on a loaded machine.)"""
     rate = 50.0
     app = seed(server_db_url, [(2000, None, 0)])
     env = {"DUEBOX_DISPATCH_POLICY": f'{{"rate": {rate}}}'}
     for name in ("wa", "wb"):
         worker_procs.start_worker(server_db_url, f"{name}-{uuid.uuid4().hex[:6]}", env)
     try:
-        poll("the 50-token burst spent", lambda: claimed_count(app.engine) >= rate + 10,
-             timeout=30, check=worker_procs.check)
-        t1, n1 = time.monotonic(), claimed_count(app.engine)
-        time.sleep(5.0)  # the measurement window itself
-        t2, n2 = time.monotonic(), claimed_count(app.engine)
-        worker_procs.check()
-        got = (n2 - n1) / (t2 - t1)
-        assert workers_used(app.engine) == {"wa", "wb"}
-        assert 0.9 * rate <= got <= 1.1 * rate, got
+        poll("six seconds' worth of jobs claimed by both workers",
+             lambda: claimed_count(app.engine) >= 7 * rate
+             and workers_used(app.engine) == {"wa", "wb"},
+             timeout=60, check=worker_procs.check)
+        times = claimed_times(app.engine)
+        first = times[0]
+        for i, t in enumerate(times):
+            allowed = rate + rate * (t - first).total_seconds()  # a burst of one second
+            assert i + 1 <= allowed + 2, f"{i + 1} jobs claimed {t - first} in"
     finally:
         app.dispose()
