@@ -156,6 +156,11 @@ class Relay:
         self.recover_interval = recover_interval
         self.totals = RelayTotals()
         self._held: list[_Held] = []
+        # One publish at a time, in the order they were decided: the timer's
+        # releases and a pass's batches would otherwise interleave, and a
+        # relay publishes the jobs of one ordering key in due-time order
+        # (Capabilities.ordering).  asyncio.Lock wakes its waiters in order.
+        self._publishing = asyncio.Lock()
         self._seq = itertools.count()
         self._claims = itertools.count()
         self._last_recover = -math.inf
@@ -263,6 +268,9 @@ class Relay:
                 ready, claimed_at = await self._sort(records, owner, stats)
                 claimed = records
                 records = []  # sorted: held or being sent, no longer ours to hand back
+                if ready and self._held and self._held[0].release_at <= claimed_at:
+                    # Held jobs due before these (a late timer): published first.
+                    await self._release_held(stats)
                 sending = asyncio.create_task(self._send_then_mark_later(
                     ready, owner, stats, claimed_at))
                 if len(claimed) < self.batch_size:
@@ -447,13 +455,22 @@ class Relay:
         return rec.due_at - timedelta(seconds=self.max_delay)
 
     async def _release_held(self, stats: PassStats) -> None:
-        now = self.app.clock.now()
-        by_owner: dict[str, list[jobstore.JobRecord]] = {}
-        while self._held and self._held[0].release_at <= now:
-            item = heapq.heappop(self._held)
-            by_owner.setdefault(item.owner, []).append(item.record)
-        for owner, recs in by_owner.items():
-            await self._publish(recs, owner, stats)
+        # Popped and sent in one turn, so nothing decided later overtakes them;
+        # in runs of one claim's jobs, in release order (grouping a claim's
+        # jobs together would send a later claim's earlier jobs after them).
+        async with self._publishing:
+            now = self.app.clock.now()
+            runs: list[tuple[str, list[jobstore.JobRecord]]] = []
+            while self._held and self._held[0].release_at <= now:
+                item = heapq.heappop(self._held)
+                if runs and runs[-1][0] == item.owner:
+                    runs[-1][1].append(item.record)
+                else:
+                    runs.append((item.owner, [item.record]))
+            sent = [(owner, await self._send_in_turn(recs, owner, stats, None))
+                    for owner, recs in runs]
+        for owner, ok in sent:
+            await self._mark(owner, ok, stats)
 
     def _delay_for(self, rec: jobstore.JobRecord, now: datetime) -> float:
         remaining = (rec.due_at - now).total_seconds()
@@ -467,7 +484,9 @@ class Relay:
 
     async def _publish(self, records: list[jobstore.JobRecord], owner: str,
                        stats: PassStats, claimed_at: datetime | None = None) -> None:
-        ok = await self._send(records, owner, stats, claimed_at)
+        await self._mark(owner, await self._send(records, owner, stats, claimed_at), stats)
+
+    async def _mark(self, owner: str, ok: list[uuid.UUID], stats: PassStats) -> None:
         if not ok:
             return
         marked = await asyncio.to_thread(self._db, jobstore.mark_enqueued, owner, ok,
@@ -479,6 +498,11 @@ class Relay:
                     stats: PassStats, claimed_at: datetime | None = None) -> list[uuid.UUID]:
         """Publish ``records``; those the broker refused go back to SCHEDULED.
         Returns the ids it confirmed, for the caller to mark."""
+        async with self._publishing:
+            return await self._send_in_turn(records, owner, stats, claimed_at)
+
+    async def _send_in_turn(self, records: list[jobstore.JobRecord], owner: str,
+                            stats: PassStats, claimed_at: datetime | None) -> list[uuid.UUID]:
         if self.scale.shards is not None:
             records, fenced = await asyncio.to_thread(self.scale.still_owned, records)
             stats.fenced += fenced
@@ -686,6 +710,7 @@ class Relay:
         gc.freeze()  # as the worker does (consumers/worker.py): no long full collections
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-relay-heartbeat")
         self._held_changed = asyncio.Event()  # of this loop: run() may be called again
+        self._publishing = asyncio.Lock()
         self._timer = asyncio.create_task(self._fire_held(stop), name="duebox-relay-timer")
         backoff = 0.1
         log.info("relay %s started on %s (max_delay=%s)", self.name,
