@@ -8,7 +8,8 @@ overtake each other there, against the order the backend delivered them in
 (``Capabilities.ordering``).  So each delivery waits, just before it is
 handed to an executor, until the one before it of the same key has been
 handed over or dropped.  A job without an ``ordering_key`` header has its
-own id as key: nothing ever waits for it.
+own id as key: nothing ever waits for it.  A worker of concurrency 1 puts
+every delivery in one line (docs/worker.md, "Order").
 """
 
 from __future__ import annotations

@@ -217,8 +217,8 @@ class Worker:
                         await self._room.wait()
                     self._in_hand += 1
                     self._log.flush()  # counts of errors that stopped a while ago
-                    turn = (None if delivery.message is None
-                            else self._turns.take(delivery.message.ordering_key()))
+                    turn = None if delivery.message is None else self._turns.take(
+                        "" if self.concurrency == 1 else delivery.message.ordering_key())
                     t = asyncio.create_task(self._guarded(delivery, turn))
                     self._tasks.add(t)
                     t.add_done_callback(self._tasks.discard)
