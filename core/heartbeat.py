@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -138,8 +139,17 @@ class ProcessHeartbeat:
         self.beats = 0
         self._poked = False
         self._wake: asyncio.Event | None = None
+        # A beat cancelled on stop goes on in its thread: without this, it
+        # could write the row again after stop() deleted it.
+        self._row_lock = threading.Lock()
+        self._removed = False
 
     def beat_once(self) -> None:
+        with self._row_lock:
+            if not self._removed:
+                self._beat()
+
+    def _beat(self) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started_at": self.started_at.isoformat(), "name": self.process,
                 "liveness": self.lock is not None and self.lock.ever_held, **self.info()}
@@ -165,6 +175,7 @@ class ProcessHeartbeat:
         is noticed by lease expiry, as before."""
         if self.lock is not None:
             self.lock.acquire()
+        self._removed = False
         try:
             with db_errors("registering the process"):
                 self.beat_once()
@@ -183,8 +194,10 @@ class ProcessHeartbeat:
             log.warning("cannot read the database's clock yet: %s", exc)
 
     def remove_once(self) -> None:
-        with self.engine.begin() as conn:
-            remove(conn, name=self.name)
+        with self._row_lock:
+            self._removed = True
+            with self.engine.begin() as conn:
+                remove(conn, name=self.name)
 
     def poke(self) -> None:
         """Beat now, not at the next interval (what the row says changed).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -31,6 +32,41 @@ def _add_failing_task(app: duebox.Duebox) -> None:
 def _lease_names(engine: sa.Engine) -> set[str]:
     with engine.connect() as conn:
         return set(conn.execute(sa.select(lease.c.name)).scalars())
+
+
+
+async def test_a_beat_still_running_at_stop_cannot_write_the_row_again(database_url: str) -> None:
+    """A stop cancels the heartbeat task, but a beat already in its thread goes
+    on: it must not recreate the row the stop deletes (seen in a full run: a
+    worker's row left behind after a clean stop)."""
+    app = make_app(database_url, memory_url())
+    entered, go_on = threading.Event(), threading.Event()
+
+    def slow_info() -> dict[str, Any]:
+        if not entered.is_set():  # the first beat after register() waits
+            entered.set()
+            go_on.wait(10)
+        return {}
+
+    hb = heartbeat.ProcessHeartbeat(app.engine, app.clock, role="worker", name="w#slow",
+                                    info=dict)
+    try:
+        hb.register()
+        assert _lease_names(app.engine) == {hb.name}
+        hb.info = slow_info
+        beating = threading.Thread(target=hb.beat_once)
+        beating.start()
+        assert entered.wait(10)
+        removing = threading.Thread(target=hb.remove_once)
+        removing.start()
+        removing.join(0.3)  # the delete waits for the beat (or, unfixed, runs first)
+        go_on.set()
+        beating.join(10)
+        removing.join(10)
+        assert _lease_names(app.engine) == set()
+    finally:
+        go_on.set()
+        app.dispose()
 
 
 @pytest.mark.parametrize("broker", ["memory", "sql"])
