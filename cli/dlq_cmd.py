@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 import click
 
@@ -52,16 +51,15 @@ def register(cli: click.Group) -> None:
 
     @dlq_group.command("show")
     @app_options
-    @click.argument("job_id")
+    @click.argument("job", type=TEXT)
     def dlq_show(app_spec: str | None, database_url: str | None, broker_url: str | None,
-                 job_id: str) -> None:
-        """A dead job's payload, attempts and audit trail."""
+                 job: str) -> None:
+        """A dead job's payload (masked), attempts with their tracebacks, and audit
+        trail. JOB is its id, its key, or the start of its id."""
         from .inspect_jobs import show_job
 
         app = load_app(app_spec, database_url, broker_url)
-        scheme = urlsplit(app.settings.broker_url).scheme
-        click.echo(show_job(app.engine, parse_job_id(job_id, "JOB_ID"), scheme,
-                            app.clock.now(), with_payload=True))
+        click.echo(show_job(app, job, app.clock.now(), with_payload=True))
 
     def _operator_options(fn: Cmd) -> Cmd:
         fn = operator_options(fn)

@@ -19,7 +19,6 @@ from sqlalchemy.orm import Session
 from duebox import Duebox, DueboxError, migrate
 from duebox.ids import parse_job_id
 from duebox.states import JobState
-from duebox.values import shown
 
 from .dlq_cmd import register as register_dlq
 from .loading import load_app
@@ -145,32 +144,43 @@ def jobs() -> None:
 @click.option("--state", default=None, help="Only jobs in this state.",
               type=click.Choice([s.value for s in JobState], case_sensitive=False))
 @click.option("--queue", default=None, type=TEXT, help="Only jobs of this queue.")
+@click.option("--task", default=None, type=TEXT, help="Only jobs of this task.")
+@click.option("--key", "key_prefix", default=None, type=TEXT,
+              help="Only jobs whose business key starts with this.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | None,
-              state: str | None, queue: str | None, limit: int) -> None:
+              state: str | None, queue: str | None, task: str | None, key_prefix: str | None,
+              limit: int, as_json: bool) -> None:
     """The latest jobs by due time."""
-    from .inspect_jobs import list_jobs
+    from duebox.inspect import JobFilter, list_jobs
+
+    from .inspect_jobs import LIST_HEAD, list_json, list_line
 
     app = load_app(app_spec, database_url, broker_url)
-    rows = list_jobs(app.engine, state, queue, limit)
-    click.echo(f"{'id':<36}  {'state':<11} {'due (UTC)':<23} {'task':<20} att ver key")
+    rows = list_jobs(app.engine, JobFilter(state, queue, task, key_prefix, limit))
+    if as_json:
+        for r in rows:
+            click.echo(json.dumps(list_json(r), sort_keys=True))
+        return
+    click.echo(LIST_HEAD)
     for r in rows:
-        due = r.due_at.isoformat(timespec="milliseconds")[:23]
-        click.echo(f"{r.id!s:<36}  {r.state:<11} {due:<23} {shown(r.task):<20} {r.attempt:>3} "
-                   f"{r.version:>3} {shown(r.key or '')}")
+        click.echo(list_line(r))
 
 
 @jobs.command("show")
 @app_options
-@click.argument("job_id")
+@click.argument("job", type=TEXT)
 def jobs_show(app_spec: str | None, database_url: str | None, broker_url: str | None,
-              job_id: str) -> None:
-    """A job's timeline, attempts, audit rows and where it is now."""
+              job: str) -> None:
+    """A job's timeline, attempts, audit rows and where it is now.
+
+    JOB is its id, its business key, or the start of its id as `jobs list`
+    prints it."""
     from .inspect_jobs import show_job
 
     app = load_app(app_spec, database_url, broker_url)
-    scheme = urlsplit(app.settings.broker_url).scheme
-    click.echo(show_job(app.engine, parse_job_id(job_id, "JOB_ID"), scheme, app.clock.now()))
+    click.echo(show_job(app, job, app.clock.now()))
 
 
 @jobs.command("cancel")
@@ -199,13 +209,21 @@ def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str 
               help="Start lateness over jobs started in the last WINDOW seconds.")
 @click.option("--max-due-age", type=click.FloatRange(min=0), default=60.0,
               help="An oldest due job older than this is a problem.")
+@click.option("--degraded-ok", is_flag=True,
+              help="Exit 0 when degraded (warnings only), e.g. for a liveness probe.")
 def status(app_spec: str | None, database_url: str | None, broker_url: str | None,
            as_json: bool, watch: float | None, iterations: int | None, window: float,
-           max_due_age: float) -> None:
-    """Is it healthy? Backlog, in flight, DLQ, lateness and live processes."""
+           max_due_age: float, degraded_ok: bool) -> None:
+    """Is it healthy? Backlog, in flight, DLQ, lateness and live processes.
+
+    Exit status (for probes and cron alerts): 0 healthy, 3 degraded (warnings
+    only), 4 unhealthy, 1 when the status could not be read (no database, no
+    tables), 2 on a usage error. With --watch, the last report's."""
     import time
 
-    from .status_view import build_report, render
+    from duebox.inspect_status import Verdict, build_report
+
+    from .status_view import render
 
     app = load_app(app_spec, database_url, broker_url)
     shown = 0
@@ -214,14 +232,17 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
                               max_due_age=max_due_age)
         if watch is not None and not as_json:
             click.clear()
-        click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
+        click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True) if as_json
+                   else render(report))
         shown += 1
         if watch is None or (iterations is not None and shown >= iterations):
-            return
+            break
         try:
             time.sleep(watch)
         except KeyboardInterrupt:
-            return
+            break
+    ok = report.verdict is Verdict.HEALTHY or (degraded_ok and report.verdict is Verdict.DEGRADED)
+    click.get_current_context().exit(0 if ok else report.verdict.exit_code)
 
 
 @cli.command()
