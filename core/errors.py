@@ -63,9 +63,10 @@ class AmbiguousJobError(ValidationError):
     """An id prefix that starts more than one job's id: ``candidates`` are
     some of them, to pick from."""
 
-    def __init__(self, prefix: str, candidates: list[str], *, more: bool = False) -> None:
+    def __init__(self, field: str, prefix: str, candidates: list[str], *,
+                 more: bool = False) -> None:
         listed = ", ".join(candidates) + (", ..." if more else "")
-        super().__init__("job", f"the id prefix {prefix!r} matches several jobs: {listed}; "
+        super().__init__(field, f"the id prefix {prefix!r} matches several jobs: {listed}; "
                                 "give more of the id")
         self.candidates = candidates
 

@@ -210,7 +210,7 @@ def find_steps(ref: object, field: str = "job") -> Reads[uuid.UUID]:
     if not rows:
         raise JobNotFoundError(repr(checked))
     if len(rows) > 1:
-        raise AmbiguousJobError(checked, [str(r.id) for r in rows[:CANDIDATES]],
+        raise AmbiguousJobError(field, checked, [str(r.id) for r in rows[:CANDIDATES]],
                                 more=len(rows) > CANDIDATES)
     return uuid.UUID(str(rows[0].id))
 
