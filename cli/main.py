@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from urllib.parse import urlsplit
 
 import click
 from sqlalchemy.orm import Session
@@ -29,11 +28,15 @@ from .options import TEXT, F, app_options, errors_as_messages, operator_options
 @click.option("--log-level", envvar="DUEBOX_LOG_LEVEL", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="[env DUEBOX_LOG_LEVEL]")
+@click.option("--log-format", envvar="DUEBOX_LOG_FORMAT", default="text", show_default=True,
+              type=click.Choice(["text", "json"], case_sensitive=False),
+              help="json: one JSON object per line. [env DUEBOX_LOG_FORMAT]")
 @click.version_option(package_name="duebox")
-def cli(log_level: str) -> None:
+def cli(log_level: str, log_format: str) -> None:
     """duebox: durable delayed dispatch on the broker you already run."""
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from duebox.logformat import configure
+
+    configure(log_level, log_format.lower())
 
 
 def metrics_options(fn: F) -> F:
@@ -73,9 +76,7 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
 
     app = load_app(app_spec, database_url, broker_url)
     app.configure(batch_size=batch_size, poll_interval=poll_interval)
-    r = Relay(app)
-    click.echo(f"relay {r.name}: {_redact(app.settings.database_url)} -> "
-               f"{_redact(app.settings.broker_url)}", err=True)
+    r = Relay(app)  # it logs one line when it starts and one when it stops
     _serve_metrics(metrics_port, metrics_host)
     run_until_signalled(r.run)
 
@@ -106,8 +107,7 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     if not app.tasks:
         raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
     w = Worker(app, queues=list(queues) or None, concurrency=concurrency,
-               group_commit=group_commit)
-    click.echo(f"worker {w.name}: queues {', '.join(w.queues)}", err=True)
+               group_commit=group_commit)  # one line when it starts, one when it stops
     _serve_metrics(metrics_port, metrics_host)
     run_until_signalled(w.run)
 
@@ -121,7 +121,8 @@ def db() -> None:
 @app_options
 def db_upgrade(app_spec: str | None, database_url: str | None, broker_url: str | None) -> None:
     """Create or upgrade the tables to the newest revision."""
-    app = load_app(app_spec, database_url, broker_url)
+    logging.getLogger("alembic").setLevel(logging.INFO)  # each revision it runs
+    app = load_app(app_spec, database_url, broker_url, tables=False)
     migrate.upgrade(app.engine)
     click.echo(f"database at revision {migrate.current_revision(app.engine)}")
 
@@ -130,8 +131,13 @@ def db_upgrade(app_spec: str | None, database_url: str | None, broker_url: str |
 @app_options
 def db_current(app_spec: str | None, database_url: str | None, broker_url: str | None) -> None:
     """Print the database's revision and the newest one."""
-    app = load_app(app_spec, database_url, broker_url)
-    click.echo(f"current {migrate.current_revision(app.engine)}  head {migrate.head_revision()}")
+    from duebox.db import missing_sqlite_file
+
+    app = load_app(app_spec, database_url, broker_url, tables=False)
+    missing = missing_sqlite_file(app.settings.database_url)  # not created by asking
+    current = None if missing else migrate.current_revision(app.engine)
+    click.echo(f"current {current}  head {migrate.head_revision()}"
+               + (f"  (no database file at {missing})" if missing else ""))
 
 
 @cli.group()
@@ -286,10 +292,9 @@ register_dlq(cli)
 
 
 def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
+    from duebox.config import redacted
+
+    return redacted(url)
 
 
 def main() -> None:
