@@ -9,6 +9,8 @@ import click
 
 from duebox import dlq
 from duebox.ids import parse_job_id
+from duebox.inspect import payloads
+from duebox.masking import masked, shown_as_is
 from duebox.values import shown
 
 from .loading import load_app
@@ -43,9 +45,14 @@ def register(cli: click.Group) -> None:
         with app.engine.connect() as conn:
             total = dlq.count_dead(conn, error_class=error_class, task=task)
             rows = dlq.list_dead(conn, error_class=error_class, task=task, limit=limit)
+            # Error text may quote the payload: masked like it (so read it).
+            data = payloads(conn, [r.id for r in rows if not shown_as_is(app, r.task)])
         click.echo(f"{total} dead job(s)")
         for r in rows:
-            err = shown((r.last_error or "").splitlines()[0][:70]) if r.last_error else ""
+            text = r.last_error if r.id not in data else \
+                masked(app, r.task, data[r.id]).text(r.last_error)
+            err = shown(text.splitlines()[0][:70]) if text else \
+                ("(hidden: give --app)" if r.last_error else "")
             click.echo(f"{'Q' if r.quarantined else ' '} {r.id}  {shown(r.task):<20} "
                        f"{shown(r.error_class or '-'):<10} att {r.attempt:>2}  {err}")
 

@@ -271,6 +271,15 @@ def list_jobs(engine: Engine, f: JobFilter) -> list[JobView]:
         return [_from_row(JobView, r) for r in conn.execute(stmt).all()]
 
 
+def payloads(conn: Connection, ids: list[uuid.UUID]) -> dict[uuid.UUID, Any]:
+    """The payloads of a page of jobs (primary-key lookups): what masking a
+    page's error text needs."""
+    if not ids:
+        return {}
+    rows = conn.execute(select(job.c.id, job.c.payload).where(job.c.id.in_(ids))).all()
+    return {r.id: r.payload for r in rows}
+
+
 # A job's attempts and audit rows are few; these caps keep a pathological
 # one (replayed thousands of times) from turning a page into a huge read.
 DETAIL_CAP = 500

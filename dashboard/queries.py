@@ -140,14 +140,6 @@ def search_jobs(conn: Connection, f: JobFilter, *, limit: int = 50,
     return JobPage(rows, Cursor(rows[-1].due_at, rows[-1].id) if more and rows else None)
 
 
-def payloads(conn: Connection, ids: list[uuid.UUID]) -> dict[uuid.UUID, Any]:
-    """The payloads of a page of jobs (primary-key lookups)."""
-    if not ids:
-        return {}
-    rows = conn.execute(select(job.c.id, job.c.payload).where(job.c.id.in_(ids))).all()
-    return {r.id: r.payload for r in rows}
-
-
 # --- charts ---------------------------------------------------------------------------
 
 

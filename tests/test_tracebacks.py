@@ -108,6 +108,10 @@ async def test_jobs_show_and_dlq_show_print_the_masked_traceback(
         assert result.output.count("Traceback (most recent call last):") == 2, result.output
         assert "CardDeclined: card **** declined by the bank" in result.output
         assert SECRET not in result.output  # error text, traceback and payload
+    listed = CliRunner().invoke(cli, ["dlq", "list", "--app", "traceback_app:app",
+                                      "--database-url", database_url])
+    assert "CardDeclined: card **** declined" in listed.output
+    assert SECRET not in listed.output
     # The dashboard's job page: each attempt's traceback, folded, masked.
     server = DashboardServer(module.app, port=0).start()  # type: ignore[attr-defined]
     try:
