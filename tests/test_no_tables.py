@@ -67,6 +67,9 @@ def test_a_postgres_url_is_postgresql_with_the_installed_driver() -> None:
         up = runner.invoke(cli, ["db", "upgrade", "--database-url", heroku])
         assert up.exit_code == 0, up.output
         status = runner.invoke(cli, ["status", "--json", "--database-url", heroku])
+        probe = runner.invoke(cli, ["status", "--degraded-ok", "--database-url", heroku])
+    assert probe.exit_code == 0, probe.output
+    assert "DEGRADED" in probe.output
     # Read through psycopg: no work, so no relay or worker is only a warning.
     assert status.exit_code == 3, status.output
     report = json.loads(status.output)

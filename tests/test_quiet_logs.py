@@ -106,3 +106,25 @@ def test_db_upgrade_shows_alembic_and_status_does_not(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60, check=False)
     assert status.returncode == 3  # degraded: no relay or worker, and no work
     assert "alembic" not in status.stderr
+
+
+def test_a_worker_logs_one_line_at_start_and_one_at_stop(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/duebox.db"
+    reset_tables(url)
+    env = {**os.environ, "DUEBOX_DATABASE_URL": url, "DUEBOX_BROKER_URL": "sql://",
+           "DUEBOX_LOG_FORMAT": "text", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    with subprocess.Popen([sys.executable, "-m", "duebox", "worker", "--app",
+                           "tests.apps.cli_app:app"], cwd=tmp_path, env=env,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            lines = _lines_until(proc, " started: ")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.stderr is not None
+            lines += proc.stderr.readlines()
+            assert proc.wait(timeout=30) == 0
+        finally:
+            proc.kill()
+    assert len(lines) == 2, lines  # nothing else on a calm start and stop
+    assert "INFO duebox.worker: worker " in lines[0]
+    assert "queues default on sql://" in lines[0]
+    assert lines[1].rstrip().endswith(" stopped")
