@@ -31,22 +31,29 @@ def _lines_until(proc: subprocess.Popen[str], needle: str) -> list[str]:
     raise AssertionError(f"the process ended before logging {needle!r}: {''.join(seen)}")
 
 
-def test_a_relay_logs_calm_json_lines_one_at_start_and_one_at_stop(
-        tmp_path: Path, redis_keys: Any) -> None:
-    url = f"sqlite:///{tmp_path}/duebox.db"
-    reset_tables(url)
-    env = {**os.environ, "DUEBOX_LOG_FORMAT": "json", "DUEBOX_DATABASE_URL": url,
-           "DUEBOX_BROKER_URL": redis_keys.url()}
-    with subprocess.Popen([sys.executable, "-m", "duebox", "relay"], cwd=tmp_path, env=env,
+def _start_and_stop(args: list[str], cwd: Path, env: dict[str, str], until: str) -> list[str]:
+    """``duebox ARGS``'s stderr lines: up to ``until``, then SIGTERM and the rest."""
+    with subprocess.Popen([sys.executable, "-m", "duebox", *args], cwd=cwd, env=env,
                           stderr=subprocess.PIPE, text=True) as proc:
         try:
-            lines = _lines_until(proc, "still there")  # the new prefix is checked at once
+            lines = _lines_until(proc, until)
             proc.send_signal(signal.SIGTERM)
             assert proc.stderr is not None
             lines += proc.stderr.readlines()
             assert proc.wait(timeout=30) == 0
         finally:
             proc.kill()
+    return lines
+
+
+def test_a_relay_logs_calm_json_lines_one_at_start_and_one_at_stop(
+        tmp_path: Path, redis_keys: Any) -> None:
+    url = f"sqlite:///{tmp_path}/duebox.db"
+    reset_tables(url)
+    env = {**os.environ, "DUEBOX_LOG_FORMAT": "json", "DUEBOX_DATABASE_URL": url,
+           "DUEBOX_BROKER_URL": redis_keys.url()}
+    # The new prefix is checked at once: that line comes right after the start.
+    lines = _start_and_stop(["relay"], tmp_path, env, "still there")
     records = [json.loads(line) for line in lines]  # every line is one JSON object
     messages = [r["message"] for r in records]
     assert sum(" started: " in m for m in messages) == 1, messages
@@ -113,17 +120,8 @@ def test_a_worker_logs_one_line_at_start_and_one_at_stop(tmp_path: Path) -> None
     reset_tables(url)
     env = {**os.environ, "DUEBOX_DATABASE_URL": url, "DUEBOX_BROKER_URL": "sql://",
            "DUEBOX_LOG_FORMAT": "text", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    with subprocess.Popen([sys.executable, "-m", "duebox", "worker", "--app",
-                           "tests.apps.cli_app:app"], cwd=tmp_path, env=env,
-                          stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            lines = _lines_until(proc, " started: ")
-            proc.send_signal(signal.SIGTERM)
-            assert proc.stderr is not None
-            lines += proc.stderr.readlines()
-            assert proc.wait(timeout=30) == 0
-        finally:
-            proc.kill()
+    lines = _start_and_stop(["worker", "--app", "tests.apps.cli_app:app"], tmp_path, env,
+                            " started: ")
     assert len(lines) == 2, lines  # nothing else on a calm start and stop
     assert "INFO duebox.worker: worker " in lines[0]
     assert "queues default on sql://" in lines[0]
