@@ -12,7 +12,6 @@ import click
 from duebox import migrate
 
 from .loading import load_app
-from .main import _redact as redact
 from .main import cli
 from .options import app_options
 
@@ -56,11 +55,7 @@ def dashboard(app_spec: str | None, database_url: str | None, broker_url: str | 
 
     app = load_app(app_spec, database_url, broker_url)
     current = migrate.current_revision(app.engine)
-    if current is None:
-        raise click.ClickException(
-            f"no duebox tables in {redact(app.settings.database_url)}: run `duebox db upgrade` "
-            "(or `duebox demo`), or give --database-url / DUEBOX_DATABASE_URL")
-    if current != migrate.head_revision():
+    if current is not None and current != migrate.head_revision():
         click.echo(f"warning: the database is at revision {current}, this duebox expects "
                    f"{migrate.head_revision()}: run `duebox db upgrade`", err=True)
     try:

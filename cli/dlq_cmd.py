@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 import click
 
 from duebox import dlq
 from duebox.ids import parse_job_id
+from duebox.inspect import payloads
+from duebox.masking import masked, shown_as_is
 from duebox.values import shown
 
 from .loading import load_app
@@ -44,24 +45,28 @@ def register(cli: click.Group) -> None:
         with app.engine.connect() as conn:
             total = dlq.count_dead(conn, error_class=error_class, task=task)
             rows = dlq.list_dead(conn, error_class=error_class, task=task, limit=limit)
+            # Error text may quote the payload: masked like it (so read it).
+            data = payloads(conn, [r.id for r in rows if not shown_as_is(app, r.task)])
         click.echo(f"{total} dead job(s)")
         for r in rows:
-            err = shown((r.last_error or "").splitlines()[0][:70]) if r.last_error else ""
+            text = r.last_error if r.id not in data else \
+                masked(app, r.task, data[r.id]).text(r.last_error)
+            err = shown(text.splitlines()[0][:70]) if text else \
+                ("(hidden: give --app)" if r.last_error else "")
             click.echo(f"{'Q' if r.quarantined else ' '} {r.id}  {shown(r.task):<20} "
                        f"{shown(r.error_class or '-'):<10} att {r.attempt:>2}  {err}")
 
     @dlq_group.command("show")
     @app_options
-    @click.argument("job_id")
+    @click.argument("job", type=TEXT)
     def dlq_show(app_spec: str | None, database_url: str | None, broker_url: str | None,
-                 job_id: str) -> None:
-        """A dead job's payload, attempts and audit trail."""
+                 job: str) -> None:
+        """A dead job's payload (masked), attempts with their tracebacks, and audit
+        trail. JOB is its id, its key, or the start of its id."""
         from .inspect_jobs import show_job
 
         app = load_app(app_spec, database_url, broker_url)
-        scheme = urlsplit(app.settings.broker_url).scheme
-        click.echo(show_job(app.engine, parse_job_id(job_id, "JOB_ID"), scheme,
-                            app.clock.now(), with_payload=True))
+        click.echo(show_job(app, job, app.clock.now(), with_payload=True))
 
     def _operator_options(fn: Cmd) -> Cmd:
         fn = operator_options(fn)

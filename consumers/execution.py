@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,8 +23,10 @@ from duebox import dlq, jobstore
 from duebox.clock import wait_until
 from duebox.db import SQLITE_DEFERRED, db_errors
 from duebox.errors import DatabaseError, LeaseLostError
-from duebox.failures import FailureClass, Verdict
+from duebox.failures import FailureClass, Verdict, bounded_traceback, error_line
 from duebox.ids import uuid7
+from duebox.logs import job_fields, log_traced
+from duebox.masking import masked_text
 from duebox.tasks import JobContext, JobControl, Task
 
 from .dedupe import SQLDedupeStore
@@ -186,8 +187,7 @@ class Execution:
             return Outcome("lease_lost")
         except Exception as exc:
             verdict = self.task.classifier.classify(exc)
-            error = "".join(traceback.format_exception_only(exc)).strip()
-            return await self.pools.db(self.settle, verdict, error)
+            return await self.pools.db(self.settle, verdict, error_line(exc), exc)
 
     def _run_sync(self) -> Outcome:
         engine = self.app.engine.execution_options(**{SQLITE_DEFERRED: True})
@@ -240,11 +240,11 @@ class Execution:
             conn.execute(jobstore.finish_attempt_stmt(self.rec, now, "duplicate"))
         return Outcome("duplicate")
 
-    def settle(self, verdict: Verdict, error: str) -> Outcome:
+    def settle(self, verdict: Verdict, error: str, exc: BaseException | None = None) -> Outcome:
         """Record the failed attempt and move the job on: retry later, or DEAD."""
         with db_errors("record failure"), self.app.engine.begin() as conn:
             return record_failure(conn, self.task, self.rec, verdict, error,
-                                  self.app.clock.now())
+                                  self.app.clock.now(), exc)
 
     async def _beat(self) -> None:
         """Renew the lease now and every third of it (started a third of the
@@ -353,9 +353,11 @@ def job_context(rec: jobstore.JobRecord, session: Any, worker: str,
 
 
 def record_failure(conn: Connection, task: Task, rec: jobstore.JobRecord, verdict: Verdict,
-                   error: str, now: datetime) -> Outcome:
-    """In ``conn``'s transaction: record the failed attempt and move the job
-    on, fenced by its lease: retry later with a new version, or DEAD."""
+                   error: str, now: datetime, exc: BaseException | None = None) -> Outcome:
+    """In ``conn``'s transaction: record the failed attempt (with the
+    traceback of ``exc``, bounded and masked like the payload) and move the
+    job on, fenced by its lease: retry later with a new version, or DEAD.
+    Logs the failure once, with that traceback."""
     cls = verdict.failure_class
     retry = cls != FailureClass.PERMANENT and rec.attempt < rec.max_attempts
     delay = task.retry.delay_for(rec.attempt, verdict) if retry else None
@@ -367,10 +369,16 @@ def record_failure(conn: Connection, task: Task, rec: jobstore.JobRecord, verdic
     if moved.rowcount != 1:
         log.warning("job %s: failure not recorded, the lease moved on", rec.id)
         return Outcome("lease_lost", cls)
-    conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", cls, error))
+    tb = masked_text(task, rec.payload, bounded_traceback(exc)) if exc is not None else None
+    conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", cls, error, tb))
+    # What people read of the error is masked; the job row keeps it whole
+    # (the dashboard and the CLI mask it when they show it).
+    shown = masked_text(task, rec.payload, error)
     if delay is None:
         dlq.quarantine_if_repeated(conn, rec.id, cls, error, now)
-        log.warning("job %s dead after attempt %d (%s): %s", rec.id, rec.attempt, cls, error)
+        log_traced(log, logging.WARNING, tb, "job %s dead after attempt %d (%s): %s", rec.id,
+                   rec.attempt, cls, shown, extra=job_fields(rec))
         return Outcome("dead", cls)
-    log.info("job %s attempt %d failed (%s); retry in %.1fs", rec.id, rec.attempt, cls, delay)
+    log_traced(log, logging.INFO, tb, "job %s attempt %d failed (%s): %s; retry in %.1fs",
+               rec.id, rec.attempt, cls, shown, delay, extra=job_fields(rec))
     return Outcome("retried", cls, delay)

@@ -55,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import traceback
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -69,6 +68,7 @@ from sqlalchemy.orm import Session
 from duebox import jobstore
 from duebox.clock import Clock, wait_until
 from duebox.db import db_errors
+from duebox.failures import error_line
 from duebox.tasks import Task
 
 from .dedupe import SQLDedupeStore
@@ -410,9 +410,9 @@ class Executors:
                 # writes of the handlers before this one.
                 raise _GroupLost(exc) from lost
             verdict = item.task.classifier.classify(exc)
-            error = "".join(traceback.format_exception_only(exc)).strip()
             if control.saved is not _UNSET:
                 control.write()
-            return record_failure(conn, item.task, item.rec, verdict, error, clock.now())
+            return record_failure(conn, item.task, item.rec, verdict, error_line(exc),
+                                  clock.now(), exc)
         savepoint.commit()
         return None

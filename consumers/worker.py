@@ -37,6 +37,7 @@ from duebox import jobstore
 from duebox.batched import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
+from duebox.config import redacted
 from duebox.db import db_errors
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError, ValidationError
 from duebox.failures import FailureClass, Verdict
@@ -159,6 +160,9 @@ class Worker:
         # collection no longer stops every thread for tens of milliseconds
         # (a 60 ms stall made four consecutive jobs late at 100 jobs/s).
         gc.freeze()
+        log.info("worker %s started: queues %s on %s, concurrency %d", self.name,
+                 ", ".join(self.queues), redacted(self.app.settings.broker_url),
+                 self.concurrency)
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
         stopper = asyncio.create_task(stop.wait())
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")
@@ -184,6 +188,7 @@ class Worker:
             await self.broker.close()
             self.pools.shutdown()
             self.pools = Pools.default()
+            log.info("worker %s stopped", self.name)
 
     async def _warm_up(self) -> None:
         """Connections for the executors and the per-job statements compiled

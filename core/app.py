@@ -16,6 +16,7 @@ from .db import create_async_engine_for, create_sync_engine
 from .dlq import check_operator
 from .errors import ConfigurationError, UnknownTaskError, ValidationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
+from .inspect import JobInfo, record_steps
 from .producer import (
     NewJob,
     Target,
@@ -363,6 +364,23 @@ class Duebox:
         return drive(session, reschedule_steps(job_id, due_at, span, self.clock.now(),
                                                self.settings.notify, dialect,
                                                self.follows_database))
+
+    @overload
+    def get_job(self, session: SyncTarget, id_or_key: uuid.UUID | str) -> JobInfo: ...
+
+    @overload
+    def get_job(self, session: AsyncTarget, id_or_key: uuid.UUID | str
+                ) -> Coroutine[Any, Any, JobInfo]: ...
+
+    def get_job(self, session: Target, id_or_key: uuid.UUID | str
+                ) -> JobInfo | Awaitable[JobInfo]:
+        """The job with this id, business key, or id prefix (as ``duebox jobs
+        list`` prints it): its state, due time, attempts and last error, e.g.
+        to show your own users where their job is.  Raises
+        :class:`JobNotFoundError`, or :class:`AmbiguousJobError` for a prefix
+        that starts several ids."""
+        dialect_of(session)
+        return drive(session, record_steps(id_or_key))
 
     @property
     def follows_database(self) -> bool:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from .errors import ConfigurationError
 from .values import MAX_SPAN
@@ -132,3 +133,12 @@ def _finite(value: object) -> bool:
 def _positive_int(name: str, value: object, upper: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
         raise ConfigurationError(f"{name}: must be an integer from 1 to {upper} (got {value!r})")
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password as ``***``, to print or log."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:  # a port that is not a number: nothing to find
+        return url
+    return url.replace(f":{password}@", ":***@") if password else url

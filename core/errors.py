@@ -9,6 +9,7 @@ original chained as ``__cause__``::
     │   └── MissingDependencyError  an optional driver is not installed
     ├── ValidationError           bad input to the API or a message (names the field)
     │   ├── UnknownTaskError
+    │   ├── AmbiguousJobError     an id prefix that names more than one job
     │   └── MessageDecodeError    a broker message that is not a duebox message
     ├── DatabaseError             the database is unreachable or refused a write
     │   └── PermissionDeniedError   the database role lacks a privilege the action needs
@@ -56,6 +57,18 @@ class UnknownTaskError(ValidationError):
     def __init__(self, name: str, known: list[str]) -> None:
         hint = ", ".join(sorted(known)[:10]) or "none registered"
         super().__init__("task", f"must be a registered task name (known: {hint})", name)
+
+
+class AmbiguousJobError(ValidationError):
+    """An id prefix that starts more than one job's id: ``candidates`` are
+    some of them, to pick from."""
+
+    def __init__(self, field: str, prefix: str, candidates: list[str], *,
+                 more: bool = False) -> None:
+        listed = ", ".join(candidates) + (", ..." if more else "")
+        super().__init__(field, f"the id prefix {prefix!r} matches several jobs: {listed}; "
+                                "give more of the id")
+        self.candidates = candidates
 
 
 class MessageDecodeError(ValidationError):

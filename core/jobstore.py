@@ -935,12 +935,13 @@ def finish_attempt_bound(rec: JobRecord, now: datetime, outcome: str
 
 def finish_attempt_stmt(
     rec: JobRecord, now: datetime, outcome: str, error_class: str | None = None,
-    error: str | None = None,
+    error: str | None = None, traceback: str | None = None,
 ) -> Update:
     return (
         update(attempt)
         .where(attempt.c.id == rec.attempt_id, attempt.c.outcome.is_(None))
-        .values(outcome=outcome, finished_at=now, error_class=error_class, error=error)
+        .values(outcome=outcome, finished_at=now, error_class=error_class, error=error,
+                traceback=traceback)
     )
 
 

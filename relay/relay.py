@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from duebox import jobstore
 from duebox.brokers.base import Broker, Outgoing, open_broker
+from duebox.config import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
 from duebox.heartbeat import ProcessHeartbeat, prune
@@ -568,8 +569,8 @@ class Relay:
             if lost:
                 # INFO: on a broker's first use this is routine; the sweep
                 # warns if it finds messages actually missing.
-                log.info("the broker reports it may have lost messages (it restarted "
-                         "empty, or this is its first use); reconciling enqueued jobs now")
+                log.info("the broker's state is new to this relay (its first use, or it "
+                         "restarted empty): checking that every enqueued job is still there")
             self._last_reconcile = time.monotonic()
             self._sweeping, self._sweep = True, None
         requeued = 0
@@ -713,8 +714,9 @@ class Relay:
         self._publishing = asyncio.Lock()
         self._timer = asyncio.create_task(self._fire_held(stop), name="duebox-relay-timer")
         backoff = 0.1
-        log.info("relay %s started on %s (max_delay=%s)", self.name,
-                 self.broker.capabilities.name, self.max_delay)
+        log.info("relay %s started: %s -> %s (max_delay=%s)", self.name,
+                 redacted(self.app.settings.database_url),
+                 redacted(self.app.settings.broker_url), self.max_delay)
         try:
             while not stop.is_set():
                 try:
@@ -747,6 +749,7 @@ class Relay:
                 await asyncio.to_thread(self.scale.release)
             await waker.stop()
             await self.broker.close()
+            log.info("relay %s stopped", self.name)
 
     async def _fire_held(self, stop: asyncio.Event) -> None:
         """The precise timer: publish held jobs at their release time, whatever

@@ -285,19 +285,20 @@ async def test_shard_metrics_and_a_fenced_hold_in_process(app: duebox.Duebox) ->
 
 
 def test_status_shows_shards_their_owners_and_each_relays_share(app: duebox.Duebox) -> None:
-    from duebox.cli.status_view import build_report, render
+    from duebox.cli.status_view import render
+    from duebox.inspect_status import build_report
 
     a = ShardOwner(ShardConfig(2, ttl=10), "relay:A", margin=0.5)
     with app.engine.begin() as conn:
         beat(conn, name="relay:A", now=at(0), ttl=60, info={"backend": "redis"})
     a.step(app.engine, at(0))
     report = build_report(app.engine, at(1))
-    assert [(s["shard"], s["owner"], s["generation"]) for s in report["shards"]] == [
+    assert [(s.shard, s.owner, s.generation) for s in report.shards] == [
         ("0/2", "relay:A", 1), ("1/2", "relay:A", 1)]
-    assert report["relays"][0]["shards"] == ["0/2", "1/2"]
+    assert report.relays[0].shards == ["0/2", "1/2"]
     assert "shards 0/2,1/2" in render(report)
     later = build_report(app.engine, at(30))  # the leases ran out: no live owner
-    assert [s["owner"] for s in later["shards"]] == [None, None]
+    assert [s.owner for s in later.shards] == [None, None]
 
 
 def test_migration_0003_backfills_the_slot_of_existing_jobs(database_url: str) -> None:
