@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import signal
 import subprocess
@@ -569,6 +570,61 @@ async def test_returned_and_nacked_publishes_are_not_ok(fake_pika: type[FakeConn
     assert "nack" in (results[2].error or "")
     assert [r.job_id for r in results] == [m.job_id for m in msgs]
     await b.close()
+
+
+# --- against the real RabbitMQ: picking the delay mode ------------------------------
+
+
+def _mode_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "duebox.brokers.amqp" and "delays (" in r.getMessage()]
+
+
+def _scary(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [f"{r.name} {r.levelname}: {r.getMessage()}" for r in caplog.records
+            if "unknown exchange type" in r.getMessage()]
+
+
+async def test_auto_mode_picks_the_plugin_and_says_why(
+        amqp_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``.ci/services`` enables rabbitmq_delayed_message_exchange: ``auto``
+    finds it, and one line says so."""
+    caplog.set_level(logging.DEBUG)
+    b = broker(f"{amqp_url}?prefix={unique('auto')}")
+    try:
+        await b.open()
+        assert b.plugin is True
+    finally:
+        await b.close()
+    [line] = _mode_lines(caplog)
+    assert "plugin delays (auto: the broker has the rabbitmq_delayed_message_exchange" in line
+    assert not _scary(caplog)
+
+
+async def test_auto_mode_without_the_plugin_probes_quietly(
+        amqp_url: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the plugin the probe's declaration closes its connection with
+    ``503 COMMAND_INVALID - unknown exchange type``, which pika logs (at INFO
+    and DEBUG) like an outage unless duebox holds it back.  The plugin is not
+    disabled for this: the broker is shared, and disabling it deletes every
+    delayed message it holds (its Mnesia tables go with it).  The probe
+    declares an exchange type no broker has instead, which RabbitMQ refuses
+    the same way (exchange types are node-wide: a vhost cannot hide one)."""
+    absent = "x-duebox-absent"
+    monkeypatch.setattr(Topology, "plugin_ops", lambda self: [
+        ExchangeDecl(self.delayed, absent, {"x-delayed-type": "direct"})])
+    caplog.set_level(logging.DEBUG)
+    b = broker(f"{amqp_url}?prefix={unique('auto')}")
+    try:
+        await b.open()
+        assert b.plugin is False
+    finally:
+        await b.close()
+    [line] = _mode_lines(caplog)
+    assert f"tier delays (auto: the broker has no '{absent}' exchange type" in line
+    assert not _scary(caplog)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 # --- against the real RabbitMQ: the tier topology ------------------------------------
