@@ -104,7 +104,7 @@ class AMQPBroker(Broker):
         self.confirm_timeout = _positive(p, "confirm_timeout", 30.0)
         self.pika_params = pika_parameters(url, context.worker_name, OWN_PARAMS)
         self.plugin: bool | None = {"auto": None, "tiers": False, "plugin": True}[self.mode]
-        self._why = f"delay_mode={self.mode}"  # said once, when the mode is first known
+        self._why = f"delay_mode={self.mode}"  # why this mode: the connected line says it
         self._lock = asyncio.Lock()
         self._link: Link | None = None
         self._admin: Channel | None = None
