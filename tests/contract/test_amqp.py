@@ -29,8 +29,9 @@ from .base import BackendContract, MakeApp, all_in, calls, relay_pass, state
 pytestmark = [pytest.mark.contract, pytest.mark.backend_amqp, pytest.mark.postgres]
 
 # Jobs handed to the broker just before the restart: long enough to still be
-# waiting there when it stops, short enough not to drag the clause out.
-HELD_DELAY = 10.0
+# waiting there when it is back (on a loaded machine stop + start take ~8 s),
+# short enough not to drag the clause out.
+HELD_DELAY = 15.0
 
 
 def _broker(app: duebox.Duebox) -> AMQPBroker:
@@ -97,9 +98,10 @@ class TestAMQPContract(BackendContract):
                             running: Running) -> AsyncIterator[list[uuid.UUID]]:
         """Hands the broker jobs delayed ``HELD_DELAY`` first and checks they
         wait in it (the plugin's table, or tier queues) when it stops.  Both
-        keep them across ``stop_app``/``start_app``: they run once, never
-        early, from the broker's own copy (never published again) when the
-        restart was quick enough to tell."""
+        keep them across ``stop_app``/``start_app``: still all there after
+        it (checked when it is back before they are due), and run once,
+        never early.  (Whether they ran from the broker's copy or the
+        relay's recovery also depends on how soon the worker reconnects.)"""
         relay = running.relays[0]
         errors = relay.totals.errors
         # A running relay keeps jobs due within its near window to itself and
@@ -114,7 +116,6 @@ class TestAMQPContract(BackendContract):
             relay.near_window = near
         await wait_for(lambda: held_in_broker(app) >= len(held), timeout=15, interval=0.3,
                        what="the held jobs waiting out their delay in the broker")
-        stopped = time.time()
         try:
             await asyncio.to_thread(rabbitmqctl, "stop_app")
             yield held
@@ -123,18 +124,13 @@ class TestAMQPContract(BackendContract):
         finally:
             await asyncio.to_thread(rabbitmqctl, "start_app")
             await asyncio.to_thread(rabbitmqctl, "await_startup")
-        back = time.time()
+        # Still before their due time: the broker must hold all of them again.
+        count = await asyncio.to_thread(held_in_broker, app)
+        first_due = min(job_row(app.engine, j).due_at for j in held).timestamp()
+        if time.time() < first_due - 0.2:
+            assert count == len(held), "the broker lost delayed messages over the restart"
         await running.wait(lambda: all_in(app, held), timeout=HELD_DELAY + 30,
                            what="the held jobs ran after the restart")
-        first_due = min(job_row(app.engine, j).due_at for j in held).timestamp()
-        if back < first_due + app.settings.redeliver_after - 1.0:
-            # Recovery cannot have republished them yet: they came from what
-            # the broker kept through the restart.
-            for j in held:
-                published = job_row(app.engine, j).published_at
-                assert published is not None
-                assert published.timestamp() < stopped, (
-                    "the broker lost a held job over the restart; the relay published it again")
 
     async def test_delays_the_broker_lost_are_published_again(self, apps: MakeApp) -> None:
         """What the broker loses while delaying (the plugin disabled, its
