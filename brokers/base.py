@@ -23,18 +23,9 @@ from duebox.clock import Clock
 from duebox.errors import BrokerError, MessageDecodeError, ValidationError
 from duebox.message import JobMessage
 from duebox.registry import effective_max_delay
+from duebox.timing import HANDOVER_LEAD as HANDOVER_LEAD  # backends import it from here
 
 log = logging.getLogger("duebox.broker")
-
-# How long before its due time a backend without a precise delay of its own
-# hands a job over: Kafka and RabbitMQ (``Capabilities.publish_lead``: the
-# relay publishes this early) and Redis (its mover moves a parked job onto
-# the stream this early).  The delivery and the worker's version-checked
-# start fit in it; the worker holds the handler to the due time, so nothing
-# runs early, and reads the job again just before, so a cancel still wins.
-# At 100 jobs/s (bench/backends_trials.py lateness) leads of 2-5 ms started
-# jobs 1.6-8 ms late at p50; 30 ms: p50 0.3-0.4 ms, p99 0.8-3 ms.
-HANDOVER_LEAD = 0.030
 
 if TYPE_CHECKING:
     import uuid
@@ -42,7 +33,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from duebox.config import Settings
-    from duebox.jobstore import EnqueuedRef
+    from duebox.recovery import EnqueuedRef
 
 
 @dataclass(frozen=True)

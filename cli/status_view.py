@@ -101,7 +101,7 @@ def _shards(conn: Any, now: datetime) -> list[dict[str, Any]]:
 
 
 def _buckets(conn: Any) -> list[dict[str, Any]]:
-    """Shared rate-limit buckets (relay/ratelimit.py) and their last level."""
+    """Shared rate-limit buckets (core/rate_buckets.py) and their last level."""
     rows = conn.execute(select(rate_bucket.c.name, rate_bucket.c.tokens, rate_bucket.c.updated_at)
                         .order_by(rate_bucket.c.name).limit(200)).all()
     return [{"bucket": n, "tokens": round(float(t), 1), "updated_at": u.isoformat()}

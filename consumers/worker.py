@@ -28,12 +28,12 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
-from duebox import jobstore
+from duebox import dispatched, jobstore
 from duebox.batched import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
@@ -47,6 +47,7 @@ from duebox.message import JobMessage, check_stored_payload
 from duebox.metrics import Metrics, process_metrics, seconds
 from duebox.registry import check_queue_name
 from duebox.tasks import Task
+from duebox.timing import EARLY_HOLD, EXECUTOR_HOLD_MOST, REREAD_LEAD
 
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, still_leased, warm_up
@@ -62,9 +63,6 @@ log = logging.getLogger("duebox.worker")
 # after this long.
 _RETRY_DELIVERY_SECONDS = 5.0
 
-# A message that arrives this close before its due time is held in the
-# worker; further out it goes back to the broker.
-_EARLY_HOLD_SECONDS = 1.0
 # The shortest deferral: a job found not yet due after all is looked at again
 # this much later, not in a tight loop.
 _MIN_DEFER_SECONDS = 0.1
@@ -263,7 +261,7 @@ class Worker:
             return
         clock = self.app.clock
         early = (msg.due_at - clock.now()).total_seconds()
-        if early > _EARLY_HOLD_SECONDS and delivery.claimed is None:
+        if early > EARLY_HOLD and delivery.claimed is None:
             # Held or deferred only if the job table says it may wait.
             checked = await self._early(delivery, msg)
             if checked is None:
@@ -288,7 +286,7 @@ class Worker:
                     await self.broker.reject(delivery, reason)
                 return
         early = False
-        if obtained is not None and obtained < rec.due_at - _REREAD_LEAD:
+        if obtained is not None and obtained < rec.due_at - REREAD_LEAD:
             # Leased well before its due time: a cancel or a takeover since
             # then must still win, so the job is read again — a round trip
             # before the due time, not after it (the window left is the one
@@ -296,8 +294,8 @@ class Worker:
             # landing there finds the completion fenced and rolls the
             # writes back).
             early = self._checks_in_thread(rec)
-            if not early or rec.due_at - clock.now() > _EXECUTOR_HOLD_MOST:
-                await _hold_until(clock, rec.due_at - _REREAD_LEAD)
+            if not early or rec.due_at - clock.now() > EXECUTOR_HOLD_MOST:
+                await _hold_until(clock, rec.due_at - REREAD_LEAD)
             if not early:
                 if not await self.rereads.call(rec):
                     self._discard("cancelled")
@@ -344,7 +342,7 @@ class Worker:
             await self.broker.reject(delivery, reason)
             return None
         early = (due_at - self.app.clock.now()).total_seconds()
-        if early > _EARLY_HOLD_SECONDS:
+        if early > EARLY_HOLD:
             await self._defer(delivery, msg, early)
             return None
         return early
@@ -406,7 +404,7 @@ class Worker:
 
     def _expire(self, rec: jobstore.JobRecord) -> None:
         with self.app.engine.begin() as conn:
-            jobstore.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
+            dispatched.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
                             now=self.app.clock.now())
 
     async def _execute(self, task: Task, rec: jobstore.JobRecord,
@@ -497,17 +495,9 @@ async def _hold_until(clock: Clock, due_at: datetime) -> None:
         await clock.sleep(wait)
 
 
-# A job leased before its due time is read again this long before it: about
-# a round trip to the database.
-_REREAD_LEAD = timedelta(milliseconds=3)
 # Connections opened before the first job: one per executor, up to the
 # engine's default pool size (more would be closed again on their return).
 _WARM_CONNECTIONS = 10
-# A job handed over at most this long before its due time goes to its
-# executor at once, which reads it again and waits out the rest; one further
-# out (brokers hand over base.HANDOVER_LEAD ahead) first waits on the event
-# loop, not in an executor thread.
-_EXECUTOR_HOLD_MOST = timedelta(milliseconds=6)
 
 
 def _no_handler(payload: Any, ctx: Any) -> None:  # pragma: no cover - never called

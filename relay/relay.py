@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from duebox import jobstore
+from duebox import claims, dispatched, jobstore, recovery
 from duebox.brokers.base import Broker, Outgoing, open_broker
 from duebox.db import PgWaker, db_errors, parse_database_url
+from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
 from duebox.heartbeat import ProcessHeartbeat, prune
 from duebox.ids import process_token
@@ -51,7 +52,6 @@ from duebox.metrics import DBCollector, Metrics, process_metrics, seconds
 from duebox.takeover import Takeover
 
 from .catchup import CatchUp
-from .fairness import DispatchPolicy
 from .refusals import Refusals
 from .scale import ScaleControls
 from .schedules import ScheduleStep
@@ -278,7 +278,7 @@ class Relay:
                     await sending
             if records:  # claimed, never published: back to SCHEDULED at once
                 with contextlib.suppress(DatabaseError):
-                    await asyncio.to_thread(self._db, jobstore.release, owner,
+                    await asyncio.to_thread(self._db, dispatched.release, owner,
                                             [r.id for r in records])
             with contextlib.suppress(DatabaseError):
                 await self._flush_marks(stats)
@@ -324,7 +324,7 @@ class Relay:
         now = self.app.clock.now()
         fence = self.scale.fence(now)
         with db_errors("mark"), self.app.engine.begin() as conn:
-            return [jobstore.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence)
+            return [dispatched.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence)
                     for owner, ids in marks]
 
     def _claim(self, owner: str, catchup: int = 0) -> list[jobstore.JobRecord]:
@@ -351,20 +351,20 @@ class Relay:
         fair = self.scale.fair is not None and not catchup
         with db_errors("claim"), self._claim_connection(fair) as conn:
             if catchup:
-                return jobstore.mark_and_claim(
+                return dispatched.mark_and_claim(
                     conn, marks=marks, owner=owner, horizon=overdue, limit=catchup, now=now,
                     lease_until=now + timedelta(seconds=lease), priority_first=True,
                     fence=fence,
                 )
             limit = self.scale.backpressure.limit(self.batch_size)
             if self.scale.fair is not None:
-                counts = [jobstore.mark_enqueued(conn, owner=o, ids=ids, now=now, fence=fence)
+                counts = [dispatched.mark_enqueued(conn, owner=o, ids=ids, now=now, fence=fence)
                           for o, ids in marks]
                 return counts, self.scale.fair.claim(
                     conn, owner=owner, horizon=horizon, after=None, now=now,
                     lease_until=now + timedelta(seconds=lease), limit=limit, fence=fence,
                 )
-            return jobstore.mark_and_claim(
+            return dispatched.mark_and_claim(
                 conn, marks=marks, owner=owner, horizon=horizon, limit=limit, now=now,
                 lease_until=now + timedelta(seconds=lease), after=overdue, fence=fence,
             )
@@ -414,7 +414,7 @@ class Relay:
             self._queue_metrics(queue)[0].inc(n)
         expired = [r.id for r in records if self.catchup.too_late(r, now)]
         if expired:
-            stats.expired += await asyncio.to_thread(self._db, jobstore.expire, owner, expired)
+            stats.expired += await asyncio.to_thread(self._db, dispatched.expire, owner, expired)
         ready = []
         for rec in records:
             if expired and self.catchup.too_late(rec, now):
@@ -470,7 +470,7 @@ class Relay:
         ok = await self._send(records, owner, stats, claimed_at)
         if not ok:
             return
-        marked = await asyncio.to_thread(self._db, jobstore.mark_enqueued, owner, ok,
+        marked = await asyncio.to_thread(self._db, dispatched.mark_enqueued, owner, ok,
                                          fence=self.scale.fence(self.app.clock.now()))
         stats.marked += marked
         stats.lost_marks += len(ok) - marked
@@ -497,7 +497,7 @@ class Relay:
                               len(batch), type(exc).__name__, exc)
             stats.failed += len(batch)
             # Back at once, not after their leases: the next pass tries again.
-            await asyncio.to_thread(self._db, jobstore.release, owner, [r.id for r in records])
+            await asyncio.to_thread(self._db, dispatched.release, owner, [r.id for r in records])
             raise
         ok = [r.job_id for r in results if r.ok]
         failed = [r for r in results if not r.ok]
@@ -569,18 +569,18 @@ class Relay:
         return requeued
 
     def _enqueued_page(self, after: tuple[datetime, uuid.UUID] | None
-                       ) -> list[jobstore.EnqueuedRef]:
+                       ) -> list[recovery.EnqueuedRef]:
         with db_errors("reconcile"), self.app.engine.connect() as conn:
-            return jobstore.enqueued_page(conn, after=after, limit=self.batch_size)
+            return recovery.enqueued_page(conn, after=after, limit=self.batch_size)
 
-    def _requeue(self, refs: list[jobstore.EnqueuedRef]) -> int:
+    def _requeue(self, refs: list[recovery.EnqueuedRef]) -> int:
         with db_errors("reconcile"), self.app.engine.begin() as conn:
-            return jobstore.requeue_lost(conn, refs=refs, now=self.app.clock.now())
+            return recovery.requeue_lost(conn, refs=refs, now=self.app.clock.now())
 
-    def _recover(self) -> jobstore.Recovered:
+    def _recover(self) -> recovery.Recovered:
         s = self.app.settings
         with db_errors("recover"), self.app.engine.begin() as conn:
-            rec = jobstore.recover(
+            rec = recovery.recover(
                 conn, now=self.app.clock.now(), margin=s.clock_skew_margin,
                 redeliver_after=s.redeliver_after, limit=self.batch_size,
             )
@@ -588,7 +588,7 @@ class Relay:
             log.info("recovered expired leases: %s", rec)
         return rec
 
-    async def _take_over(self) -> jobstore.Recovered:
+    async def _take_over(self) -> recovery.Recovered:
         """Processes found dead by their liveness lock (core/liveness.py):
         their leased jobs back to SCHEDULED now (claimed again in this very
         pass), the messages a dead worker had received handed on by the
@@ -604,7 +604,7 @@ class Relay:
             log.warning("%s %s is gone (its database session ended): %d of its jobs recovered "
                         "now, %d received messages handed on", dead.role, dead.name,
                         got.total, handed)
-        return jobstore.Recovered(*counts)
+        return recovery.Recovered(*counts)
 
     def _recover_wait(self) -> float:
         """Seconds until the next recovery pass: every ``recover_interval``,
@@ -658,7 +658,7 @@ class Relay:
         rate_wait = self.scale.wait()
         if not self.broker.capabilities.direct_claim and self.max_delay is not None:
             with db_errors("next due"), self.app.engine.connect() as conn:
-                due = jobstore.next_due(conn)
+                due = claims.next_due(conn)
             if due is not None:
                 lead = self.scale.lead(self.max_delay + self.hold_window, self.hold_window)
                 due_wait = self.catchup.adjust_wait(due, now, (due - now).total_seconds() - lead)
@@ -759,4 +759,4 @@ class Relay:
         self._held.clear()
         for owner, ids in by_owner.items():
             with contextlib.suppress(DatabaseError):
-                await asyncio.to_thread(self._db, jobstore.release, owner, ids)
+                await asyncio.to_thread(self._db, dispatched.release, owner, ids)

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 from sqlalchemy import ColumnElement
 
 from duebox import jobstore
+from duebox.dispatch_policy import DispatchPolicy
+from duebox.fair_claim import FairPicker
 from duebox.metrics import Metrics, ProcessRow
 
 from .backpressure import Backpressure
-from .fairness import DispatchPolicy, FairClaim
 from .shards import ShardConfig, ShardOwner
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class ScaleControls:
         self.app = app
         self.name = name
         self.policy = policy or DispatchPolicy.configured(app.settings)
-        self.fair = FairClaim(self.policy) if self.policy.enabled else None
+        self.fair = FairPicker(self.policy) if self.policy.enabled else None
         shards = shards or ShardConfig.from_env()
         self.shards = (ShardOwner(shards, name, app.settings.clock_skew_margin)
                        if shards is not None else None)
