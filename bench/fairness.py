@@ -119,7 +119,7 @@ async def flood(url: str, mode: str, rate: float, seconds: float) -> dict[str, A
         clock.advance(STEP)
         if mode == "due-order":  # one bounded batch a pass: the same throughput
             owner = f"{relay.name}#{uuid.uuid4().hex[:6]}"
-            from duebox.relay.relay import PassStats
+            from duebox.relay import PassStats
 
             await relay._publish(relay._claim(owner), owner, PassStats())
         else:

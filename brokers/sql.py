@@ -31,10 +31,19 @@ from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import BrokerError, ConfigurationError, DatabaseError
 from duebox.fair_claim import DispatchPolicy, FairPicker
 from duebox.timing import SQL_HANDOVER_LEAD
+from duebox.waiting import wait_any
 
 from ._common import number
-from ._waiting import wait_any
-from .base import Broker, BrokerContext, Capabilities, Delivery, Outgoing, PublishResult
+from .base import (
+    Broker,
+    BrokerContext,
+    Capabilities,
+    Delivery,
+    Durability,
+    Ordering,
+    Outgoing,
+    PublishResult,
+)
 
 # Claimed jobs a worker may hold (due or not): a lookahead's worth at the rate
 # a worker runs them, few enough that one worker does not hoard what an idle
@@ -52,8 +61,10 @@ class SQLBroker(Broker):
         max_delay=None,
         delay_precision=0.001,
         cancel=True,
-        ordering="due time, then id, within each claim; concurrent workers interleave",
-        durability="the database's: committed jobs survive any process crash",
+        ordering=Ordering.DUE,
+        ordering_note="due time, then id, within each claim; concurrent workers interleave",
+        durability=Durability.DATABASE,
+        durability_note="the database's: committed jobs survive any process crash",
         payload_limit=None,
         redelivers_unacked=True,
         in_flight_after_cancel="nothing is in flight: a cancelled row is never claimed",

@@ -21,9 +21,11 @@ from duebox.ids import parse_job_id
 from duebox.states import JobState
 from duebox.values import shown
 
-from .dlq_cmd import register as register_dlq
+from .dashboard_cmd import dashboard
+from .dlq_cmd import dlq_group
 from .loading import load_app
-from .options import TEXT, F, app_options, errors_as_messages, operator_options
+from .options import TEXT, F, app_options, errors_as_messages, operator_options, redact
+from .schedules_cmd import schedules
 
 
 @click.group(context_settings={"auto_envvar_prefix": "DUEBOX", "show_default": True})
@@ -75,8 +77,8 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
     app = load_app(app_spec, database_url, broker_url)
     app.configure(batch_size=batch_size, poll_interval=poll_interval)
     r = Relay(app)
-    click.echo(f"relay {r.name}: {_redact(app.settings.database_url)} -> "
-               f"{_redact(app.settings.broker_url)}", err=True)
+    click.echo(f"relay {r.name}: {redact(app.settings.database_url)} -> "
+               f"{redact(app.settings.broker_url)}", err=True)
     _serve_metrics(metrics_port, metrics_host)
     run_until_signalled(r.run)
 
@@ -242,7 +244,7 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
     logging.getLogger().setLevel(logging.WARNING)
     app = Duebox(database_url=database_url, broker_url=broker_url)
     click.echo(f"duebox demo: {n_jobs} jobs due over the next {spread:g} s on "
-               f"{_redact(database_url)} with {broker_url}")
+               f"{redact(database_url)} with {broker_url}")
     r = run_demo(app, n_jobs, spread, cancels)
     app.dispose()
     click.echo(
@@ -261,14 +263,10 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
                "`duebox dashboard`.")
 
 
-register_dlq(cli)
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
+# The command groups defined in their own modules.
+cli.add_command(dashboard)
+cli.add_command(dlq_group)
+cli.add_command(schedules)
 
 
 def main() -> None:
@@ -277,7 +275,3 @@ def main() -> None:
     except DueboxError as exc:  # pragma: no cover - commands convert their own
         click.echo(f"Error: {exc}", err=True)
         sys.exit(1)
-
-
-# Registers `duebox dashboard` and `duebox schedules`.
-from . import dashboard_cmd, schedules_cmd  # noqa: E402, F401

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import wraps
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import click
 from sqlalchemy import exc as sa_exc
@@ -88,3 +89,11 @@ class StoredText(click.types.StringParamType):
 
 
 TEXT = StoredText()
+
+
+def redact(url: str) -> str:
+    """``url`` with its password hidden, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@")
+    return url

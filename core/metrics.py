@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Connection, case, func, select
 
 from .db import SQLITE_DEFERRED
+from .heartbeat import ProcessRow, alive, expired_names
 from .states import JobState
 from .tables import job
 
@@ -221,15 +222,6 @@ class Group:
 
 
 @dataclass
-class ProcessRow:
-    name: str
-    role: str
-    heartbeat_at: datetime | None
-    expires_at: datetime
-    info: dict[str, Any]
-
-
-@dataclass
 class Snapshot:
     at: datetime
     queues: dict[str, Group]
@@ -255,8 +247,6 @@ def read_snapshot(
     """Backlog, in-flight and DLQ per queue and per tenant, and the live
     processes: three capped scans of the ``(state, due_at)`` index and one
     read of the (small) process registry."""
-    from .heartbeat import alive, expired_names
-
     queues: dict[str, Group] = {}
     tenants: dict[str, Group] = {}
     capped = False
@@ -422,7 +412,6 @@ __all__ = [
     "DBCollector",
     "Group",
     "Metrics",
-    "ProcessRow",
     "Snapshot",
     "SnapshotCollector",
     "process_metrics",

@@ -160,7 +160,7 @@ async def run_for_unfair(relay: Relay, clock: FakeClock, seconds: float) -> None
 
 
 def relay_stats() -> Any:
-    from duebox.relay.relay import PassStats
+    from duebox.relay import PassStats
 
     return PassStats()
 

@@ -543,6 +543,6 @@ async def test_relay_ignores_brokers_that_cannot_reconcile(database_url: str) ->
     try:
         relay = Relay(app)
         await relay.run_pass()
-        assert relay._reconciles is False
+        assert relay.reconciler.active is False
     finally:
         app.dispose()
