@@ -46,11 +46,12 @@ from duebox.logs import CollapsedLog, kind_of
 from duebox.message import JobMessage, check_stored_payload
 from duebox.metrics import Metrics, process_metrics, seconds
 from duebox.registry import check_queue_name
+from duebox.states import Discard
 from duebox.tasks import Task
 from duebox.timing import EARLY_HOLD, EXECUTOR_HOLD_MOST, REREAD_LEAD
 
 from .dedupe import SQLDedupeStore
-from .execution import Execution, Outcome, Pools, still_leased, warm_up
+from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
 from .starts import Starts
 
@@ -58,6 +59,11 @@ if TYPE_CHECKING:
     from duebox.app import Duebox
 
 log = logging.getLogger("duebox.worker")
+
+# Discards that mean the message was a duplicate of work already done or
+# dropped (the duplicates metric).
+_DUPLICATE_REASONS = frozenset({Discard.STALE_VERSION, Discard.ALREADY_SUCCEEDED,
+                                Discard.ALREADY_RUNNING, Discard.CANCELLED})
 
 # A delivery whose handling failed unexpectedly (the database down) comes back
 # after this long.
@@ -253,11 +259,11 @@ class Worker:
         self._received.inc()
         msg = delivery.message
         if msg is None:
-            reason = delivery.decode_reason
-            self._discard(reason)
-            self._log.warning(f"reject:{reason}", "rejected a message that is not a duebox "
-                              "message (%s): %s", reason, delivery.decode_error)
-            await self.broker.reject(delivery, delivery.decode_error or reason)
+            undecoded = delivery.decode_reason
+            self._discard(undecoded)
+            self._log.warning(f"reject:{undecoded}", "rejected a message that is not a duebox "
+                              "message (%s): %s", undecoded, delivery.decode_error)
+            await self.broker.reject(delivery, delivery.decode_error or undecoded)
             return
         clock = self.app.clock
         early = (msg.due_at - clock.now()).total_seconds()
@@ -277,11 +283,11 @@ class Worker:
             # by the due time instead of after it.
             rec, reason = await self.starts.start(msg, max(0.0, early))
             if rec is None:
-                if reason == "not_due":
+                if reason is Discard.NOT_DUE:
                     checked = await self._early(delivery, msg)
                     if checked is not None:  # due by now after all: look again shortly
                         await self._defer(delivery, msg, max(checked, _MIN_DEFER_SECONDS))
-                else:
+                elif reason is not None:  # (never None when no record came back)
                     self._discard(reason)
                     await self.broker.reject(delivery, reason)
                 return
@@ -298,7 +304,7 @@ class Worker:
                 await _hold_until(clock, rec.due_at - REREAD_LEAD)
             if not early:
                 if not await self.rereads.call(rec):
-                    self._discard("cancelled")
+                    self._discard(Discard.CANCELLED)
                     await self.broker.ack(delivery)
                     return
                 obtained = clock.now()
@@ -322,7 +328,7 @@ class Worker:
             return
         if rec.expired(clock.now()):
             await self.pools.db(self._expire, rec)
-            self._discard("expired")
+            self._discard(Discard.EXPIRED)
             await self.broker.ack(delivery)
             return
         await self._execute(task, rec, obtained, early)
@@ -337,7 +343,7 @@ class Worker:
         seconds until that due time when the job is to be started now."""
         reason, due_at = await self.starts.check_early(msg)
         if reason is not None or due_at is None:
-            reason = reason or "unknown_job"
+            reason = reason or Discard.UNKNOWN_JOB
             self._discard(reason)
             await self.broker.reject(delivery, reason)
             return None
@@ -358,7 +364,7 @@ class Worker:
         if await self.broker.defer(delivery, seconds) is not False:
             return
         await self.pools.db(self.starts.give_back, msg)
-        self._discard("defer_refused")
+        self._discard(Discard.DEFER_REFUSED)
         await self.broker.ack(delivery)
 
     def _checks_in_thread(self, rec: jobstore.JobRecord) -> bool:
@@ -394,7 +400,7 @@ class Worker:
     def _discard(self, reason: str) -> None:
         self.stats.discarded[reason] += 1
         self.metrics.discarded.labels(self.backend, reason).inc()
-        if reason in ("stale_version", "already_succeeded", "already_running", "cancelled"):
+        if reason in _DUPLICATE_REASONS:
             self.stats.duplicates += 1
             self.metrics.duplicates.labels(self.backend, reason).inc()
 
@@ -410,26 +416,26 @@ class Worker:
     async def _execute(self, task: Task, rec: jobstore.JobRecord,
                        leased: datetime | None, early: bool = False) -> None:
         outcome, started = await self.executors.run(task, rec, leased, early=early)
-        if outcome.status == "released":  # stopping: given back, never started
+        if outcome.status is RunStatus.RELEASED:  # stopping: given back, never started
             return
-        if outcome.status == "cancelled":  # seen under the group's lock, before it ran
-            self._discard("cancelled")
+        if outcome.status is RunStatus.CANCELLED:  # seen under the group's lock, before it ran
+            self._discard(Discard.CANCELLED)
             return
         self._observe_start(rec, started)
         self._observe_outcome(rec, outcome, started)
         st = self.stats
-        if outcome.status == "succeeded":
+        if outcome.status is RunStatus.SUCCEEDED:
             st.succeeded += 1
-        elif outcome.status == "duplicate":
+        elif outcome.status is RunStatus.DUPLICATE:
             st.succeeded += 1
             st.duplicates += 1
-        elif outcome.status == "lease_lost":
+        elif outcome.status is RunStatus.LEASE_LOST:
             st.lease_lost += 1
         else:
             st.failed += 1
             st.throttled += outcome.failure_class == FailureClass.THROTTLED
-            st.retried += outcome.status == "retried"
-            st.dead += outcome.status == "dead"
+            st.retried += outcome.status is RunStatus.RETRIED
+            st.dead += outcome.status is RunStatus.DEAD
 
 
     # --- observability -----------------------------------------------------------
@@ -468,22 +474,22 @@ class Worker:
         m, b, q = self.metrics, self.backend, rec.queue
         finished = self.app.clock.now()
         _, _, ran, succeeded, end_to_end = self._queue_metrics(q)
-        if outcome.status != "succeeded":
+        if outcome.status is not RunStatus.SUCCEEDED:
             ran = m.execution.labels(b, q, outcome.status)
         ran.observe(seconds(finished, started))
-        if outcome.status in ("succeeded", "duplicate"):
+        if outcome.status in (RunStatus.SUCCEEDED, RunStatus.DUPLICATE):
             succeeded.inc()
             end_to_end.observe(seconds(finished, rec.due_at))
-            if outcome.status == "duplicate":
+            if outcome.status is RunStatus.DUPLICATE:
                 m.duplicates.labels(b, "dedupe").inc()
-        elif outcome.status == "lease_lost":
+        elif outcome.status is RunStatus.LEASE_LOST:
             m.lease_lost.labels(b, q).inc()
         else:
             cls = str(outcome.failure_class or "unknown")
             m.failed.labels(b, q, cls).inc()
-            if outcome.status == "retried":
+            if outcome.status is RunStatus.RETRIED:
                 m.retried.labels(b, q).inc()
-            elif outcome.status == "dead":
+            elif outcome.status is RunStatus.DEAD:
                 m.dead.labels(b, q, cls).inc()
 
 

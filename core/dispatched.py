@@ -33,6 +33,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import Update
 
 from . import claims
+from .failures import SystemFailure
 from .ids import uuid7
 from .records import ROW_COLUMNS, JobRecord, by_primary_key, records
 from .states import JobState
@@ -122,8 +123,9 @@ def refuse(conn: Connection, *, owner: str, refusals: Sequence[Refusal], worker:
         rec = r.record
         claimed = (update(job).where(job.c.id == rec.id, job.c.state == JobState.DISPATCHING,
                                      job.c.lease_owner == owner))
-        failed = {"attempt": job.c.attempt + 1, "error_class": "refused", "last_error": r.error,
-                  "lease_owner": None, "lease_until": None, "updated_at": now}
+        failed = {"attempt": job.c.attempt + 1, "error_class": SystemFailure.REFUSED,
+                  "last_error": r.error, "lease_owner": None, "lease_until": None,
+                  "updated_at": now}
         moved = conn.execute(by_primary_key(
             claimed.where(job.c.attempt + 1 >= job.c.max_attempts).values(
                 state=JobState.DEAD, finished_at=now, **failed))).rowcount
@@ -137,7 +139,7 @@ def refuse(conn: Connection, *, owner: str, refusals: Sequence[Refusal], worker:
             conn.execute(attempt.insert().values(
                 id=uuid7(), job_id=rec.id, number=rec.attempt + 1, worker=worker,
                 lease_generation=rec.lease_generation, outcome="refused",
-                error_class="refused", error=r.error, started_at=now, finished_at=now))
+                error_class=SystemFailure.REFUSED, error=r.error, started_at=now, finished_at=now))
     return retried, dead
 
 
@@ -150,7 +152,7 @@ def expire(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datet
         .where(job.c.id.in_(list(ids)), job.c.lease_owner == owner,
                job.c.state.in_([JobState.DISPATCHING, JobState.RUNNING]))
         .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
-                finished_at=now, updated_at=now, error_class="expired")
+                finished_at=now, updated_at=now, error_class=SystemFailure.EXPIRED)
     )).rowcount
 
 

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, delete, exists, select, update
 
 from .db import db_errors
 from .errors import ValidationError
-from .failures import FailureClass
+from .failures import FailureClass, SystemFailure
 from .ids import uuid7
 from .states import JobState
 from .tables import attempt, audit, job
@@ -94,7 +94,7 @@ def quarantine_if_repeated(
 MIN_RATE = 0.001
 
 # "refused": a publish the broker refuses for good (relay/refusals.py).
-ERROR_CLASSES = (*(str(c) for c in FailureClass), "lost", "expired", "refused")
+ERROR_CLASSES = (*(str(c) for c in FailureClass), *(str(c) for c in SystemFailure))
 
 
 def check_error_class(error_class: object) -> str | None:

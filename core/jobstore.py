@@ -41,7 +41,7 @@ from .errors import LeaseLostError
 from .message import JobMessage
 from .records import ROW_COLUMNS, JobRecord, by_primary_key, open_attempts
 from .records import records as read_records
-from .states import LEASED_STATES, STARTABLE_STATES, JobState
+from .states import LEASED_STATES, STARTABLE_STATES, Discard, JobState, LeaseVerdict
 from .tables import attempt, job
 
 
@@ -125,38 +125,38 @@ _START = (
 )
 
 
-def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> str:
+def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> Discard:
     """Name the reason a start matched no row, for logs and metrics."""
     row = conn.execute(
         select(job.c.state, job.c.version, job.c.due_at, job.c.expires_at)
         .where(job.c.id == message.job_id)
     ).first()
     if row is None:
-        return "unknown_job"
+        return Discard.UNKNOWN_JOB
     state, version, due_at, expires_at = row
     refused = _not_runnable(message, state, version)
     if refused is not None:
         return refused
     if due_at > now:
-        return "not_due"
+        return Discard.NOT_DUE
     if expires_at is not None and expires_at <= now:
-        return "expired"
-    return "locked"
+        return Discard.EXPIRED
+    return Discard.LOCKED
 
 
-def _not_runnable(message: JobMessage, state: str, version: int) -> str | None:
+def _not_runnable(message: JobMessage, state: str, version: int) -> Discard | None:
     """Why a message cannot run the job in this state and version (None: it can)."""
     if state == JobState.CANCELLED:
-        return "cancelled"
+        return Discard.CANCELLED
     if version != message.version:
-        return "stale_version"
+        return Discard.STALE_VERSION
     if state not in STARTABLE_STATES:
-        return "already_" + str(state).lower()
+        return Discard.already(state)
     return None
 
 
 def check_early(conn: Connection, messages: Sequence[JobMessage]
-                ) -> list[tuple[str | None, datetime | None]]:
+                ) -> list[tuple[Discard | None, datetime | None]]:
     """For messages that came before their due time, before any of them is
     held or deferred: per message, why to discard it (``unknown_job``,
     ``stale_version``, ``cancelled``, ``already_<state>``, ``forged``: the
@@ -168,15 +168,15 @@ def check_early(conn: Connection, messages: Sequence[JobMessage]
     rows = {row.id: row for row in conn.execute(
         select(job.c.id, job.c.state, job.c.version, job.c.due_at, job.c.task, job.c.queue)
         .where(job.c.id.in_(list({m.job_id for m in messages}))))}
-    out: list[tuple[str | None, datetime | None]] = []
+    out: list[tuple[Discard | None, datetime | None]] = []
     for message in messages:
         row = rows.get(message.job_id)
         if row is None:
-            out.append(("unknown_job", None))
+            out.append((Discard.UNKNOWN_JOB, None))
             continue
         refused = _not_runnable(message, row.state, row.version)
         if refused is None and (row.task, row.queue) != (message.task, message.queue):
-            refused = "forged"  # deferred, it would go where the forger says
+            refused = Discard.FORGED  # deferred, it would go where the forger says
         out.append((refused, None) if refused is not None else (None, row.due_at))
     return out
 
@@ -277,7 +277,8 @@ _FINISH_ATTEMPTS = (
 )
 
 
-def lock_leased(conn: Connection, records: Sequence[JobRecord]) -> dict[uuid.UUID, str]:
+def lock_leased(conn: Connection, records: Sequence[JobRecord]
+                ) -> dict[uuid.UUID, LeaseVerdict]:
     """Lock the jobs' rows until the transaction ends and say, per job id,
     whether its lease still holds: ``held``, ``cancelled`` or ``lost``
     (taken over, finished, rescheduled).  On SQLite the transaction's write
@@ -286,7 +287,7 @@ def lock_leased(conn: Connection, records: Sequence[JobRecord]) -> dict[uuid.UUI
 
 
 def lease_states(conn: Connection, records: Sequence[JobRecord], *, lock: bool = False
-                 ) -> dict[uuid.UUID, str]:
+                 ) -> dict[uuid.UUID, LeaseVerdict]:
     """:func:`lock_leased`, also as a plain read (``lock=False``): the
     re-read of jobs leased ahead of their due time, many in one statement."""
     stmt = _LOCK_LEASED if lock else _LEASES
@@ -298,11 +299,11 @@ def lease_states(conn: Connection, records: Sequence[JobRecord], *, lock: bool =
                                 and row.lease_owner == rec.lease_owner
                                 and row.lease_generation == rec.lease_generation
                                 and row.version == rec.version):
-            verdict[rec.id] = "held"
+            verdict[rec.id] = LeaseVerdict.HELD
         elif row is not None and row.state == JobState.CANCELLED:
-            verdict[rec.id] = "cancelled"
+            verdict[rec.id] = LeaseVerdict.CANCELLED
         else:
-            verdict[rec.id] = "lost"
+            verdict[rec.id] = LeaseVerdict.LOST
     return verdict
 
 

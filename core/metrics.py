@@ -28,6 +28,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, case, func, select
 
+from . import claims
 from .db import SQLITE_DEFERRED
 from .heartbeat import ProcessRow, alive, expired_names
 from .states import JobState
@@ -256,7 +257,7 @@ def read_snapshot(
                 tenants.setdefault(_tenant_key(tenant), Group()))
 
     due = (select(job.c.queue, job.c.tenant, job.c.due_at)
-           .where(job.c.state == JobState.SCHEDULED, job.c.due_at <= now)
+           .where(claims.due(now))
            .order_by(job.c.due_at).limit(cap).subquery())
     late = now - timedelta(seconds=overdue_after)
     rows = conn.execute(

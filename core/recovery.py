@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, and_, or_, select, update
 
 from .claims import due, locked, update_locked
+from .failures import SystemFailure
 from .records import by_primary_key
 from .states import JobState
 from .tables import attempt, job
@@ -49,7 +50,7 @@ def expire_overdue(
             conn,
             update(job).where(job.c.state == JobState.SCHEDULED)
             .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
-                    finished_at=now, updated_at=now, error_class="expired",
+                    finished_at=now, updated_at=now, error_class=SystemFailure.EXPIRED,
                     last_error="too late: past expires_at or the task's max_lateness"),
             candidates,
         )
@@ -127,18 +128,19 @@ def _return_leases(conn: Connection, which: ColumnElement[bool], *, now: datetim
             update(job)
             .where(job.c.id.in_(lost_ids), job.c.state == JobState.RUNNING,
                    job.c.attempt >= job.c.max_attempts)
-            .values(state=JobState.DEAD, error_class="lost", last_error=lost_error,
+            .values(state=JobState.DEAD, error_class=SystemFailure.LOST, last_error=lost_error,
                     finished_at=now, **free)
         )).rowcount
         running = conn.execute(by_primary_key(
             update(job)
             .where(job.c.id.in_(lost_ids), job.c.state == JobState.RUNNING)
-            .values(state=JobState.SCHEDULED, error_class="lost", last_error=lost_error, **free)
+            .values(state=JobState.SCHEDULED, error_class=SystemFailure.LOST,
+                    last_error=lost_error, **free)
         )).rowcount
         conn.execute(
             update(attempt)
             .where(attempt.c.job_id.in_(lost_ids), attempt.c.outcome.is_(None))
-            .values(outcome="lost", error_class="lost", finished_at=now)
+            .values(outcome="lost", error_class=SystemFailure.LOST, finished_at=now)
         )
     return dispatching, running, dead
 
