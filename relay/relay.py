@@ -6,9 +6,10 @@ Each pass:
    outage, release **overdue** jobs first: rate-limited, highest priority
    first, too-late ones expired (relay/catchup.py).
 1. **Claim** a bounded batch in a short transaction: ``SCHEDULED`` jobs due by
-   ``now + max_delay (+ hold window)`` become ``DISPATCHING``, leased to a
-   per-claim owner token.  The same predicate parks jobs beyond the broker's
-   ceiling and picks them up as they come near.
+   ``now + max_delay (+ hold window)`` (the claim window: relay/horizon.py;
+   the claim: core/claims.py) become ``DISPATCHING``, leased to a per-claim
+   owner token.  The same predicate parks jobs beyond the broker's ceiling
+   and picks them up as they come near.
 2. **Publish** outside any transaction with delay = ``due_at - now`` clipped to
    ``[0, max_delay]`` and rounded *up* to the broker's precision.  Jobs the
    broker cannot delay long enough (Kafka: not at all) are held in a heap,
@@ -106,7 +107,6 @@ class Relay:
         # every job to the broker's own delay (Kafka's still waits in _held).
         self._timer: asyncio.Task[None] | None = None
         self.max_delay = max_delay
-        self.precision = caps.delay_precision
         self._held = HeldJobs(lead=self.lead, max_delay=max_delay,
                               precision=caps.delay_precision)
         self._claims = itertools.count()
