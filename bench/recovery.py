@@ -12,7 +12,9 @@ runs pooled.  The invariants (nothing lost, doubled, early, cancelled-but-ran)
 are checked and printed; a run that breaks one exits 1.
 
 ``--db``: ``sqlite``, ``postgres`` or ``mariadb`` (a fresh database per run).
-LocalStack (SQS) and the Kafka mock must be listening (tests/backends.py).
+LocalStack (SQS) and a Kafka must be listening where DUEBOX_TEST_SQS_ENDPOINT
+and DUEBOX_TEST_KAFKA say (e.g. http://127.0.0.1:4566 and 127.0.0.1:19092,
+localstack/start.sh and tests/services/kafka_mock.py start): tests/backends.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Small pieces the ``sqs://`` and ``kafka://`` backends share: URL parameter
-checks that name the parameter, and the ordering key of a message."""
+checks that name the parameter, and safe tokens for names and ids."""
 
 from __future__ import annotations
 
@@ -8,12 +8,6 @@ import math
 import re
 
 from duebox.errors import ConfigurationError
-from duebox.message import JobMessage
-
-# A job header naming the ordering key: jobs with the same key keep their
-# publish order where the backend can (SQS FIFO message group, Kafka
-# partition key).  Without it the job id is used: no order between jobs.
-ORDERING_KEY_HEADER = "ordering_key"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -65,14 +59,6 @@ def refuse_unknown(params: dict[str, str], known: frozenset[str], scheme: str) -
         raise ConfigurationError(
             f"broker_url: unknown parameter {unknown[0]!r} for {scheme}:// "
             f"(known: {', '.join(sorted(known))})")
-
-
-def ordering_key(msg: JobMessage) -> str:
-    """The job's ``ordering_key`` header as a string, else its id."""
-    key = msg.headers.get(ORDERING_KEY_HEADER) if msg.headers else None
-    if key is None or key == "":
-        return str(msg.job_id)
-    return key if isinstance(key, str) else str(key)
 
 
 def safe_token(value: str, allowed: str = r"[A-Za-z0-9!-/:-@\[-`{-~]{1,128}") -> str:

@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 from duebox.errors import BrokerError, MissingDependencyError, ValidationError
 from duebox.logs import CollapsedLog, kind_of
 
-from ._common import ordering_key
 from .base import (
     HANDOVER_LEAD,
     Broker,
@@ -403,7 +402,7 @@ class KafkaBroker(Broker):
                     f"topic's max.message.bytes)"))
                 continue
             topic = topics[msg.queue]
-            key = ordering_key(msg).encode()
+            key = msg.ordering_key().encode()
             partitions = partitions_of.get(topic)
             if partitions is None:
                 try:

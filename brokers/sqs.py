@@ -67,7 +67,7 @@ from duebox.errors import (
 from duebox.logs import CollapsedLog
 from duebox.message import JobMessage
 
-from ._common import ordering_key, safe_token
+from ._common import safe_token
 from .base import (
     Broker,
     BrokerContext,
@@ -387,7 +387,7 @@ class SQSBroker(Broker):
         request: dict[str, Any] = {"Id": str(i), "MessageBody": body,
                                    "MessageAttributes": attrs}
         if self.settings.fifo:
-            request["MessageGroupId"] = safe_token(ordering_key(msg))
+            request["MessageGroupId"] = safe_token(msg.ordering_key())
             request["MessageDeduplicationId"] = f"{msg.job_id}.{msg.version}"
         visible_at = None
         if out.delay > 0:

@@ -54,6 +54,7 @@ from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
 from .starts import Starts
+from .turns import Turn, Turns
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -128,6 +129,7 @@ class Worker:
         # form from those that wait while all executors are busy.
         self.prefetch = self.concurrency * (1 + min(3, self.group_commit - 1))
         self._in_hand = 0
+        self._turns = Turns()  # handlers of one ordering key start in arrival order
         self._room = asyncio.Event()
         self.broker.wanted = self.wanted
         self._tasks: set[asyncio.Task[None]] = set()
@@ -219,7 +221,9 @@ class Worker:
                         await self._room.wait()
                     self._in_hand += 1
                     self._log.flush()  # counts of errors that stopped a while ago
-                    t = asyncio.create_task(self._guarded(delivery))
+                    turn = None if delivery.message is None else self._turns.take(
+                        "" if self.concurrency == 1 else delivery.message.ordering_key())
+                    t = asyncio.create_task(self._guarded(delivery, turn))
                     self._tasks.add(t)
                     t.add_done_callback(self._tasks.discard)
                 backoff = 0.1
@@ -233,9 +237,9 @@ class Worker:
                 await asyncio.sleep(wait)
                 backoff = min(backoff * 2, 10.0)
 
-    async def _guarded(self, delivery: Delivery) -> None:
+    async def _guarded(self, delivery: Delivery, turn: Turn | None = None) -> None:
         try:
-            await self.handle(delivery)
+            await self.handle(delivery, turn)
         except Exception as exc:
             # The job stays leased; lease recovery publishes it again.  The
             # broker's message is handed back for later rather than left
@@ -249,12 +253,16 @@ class Worker:
                         delivery, _RETRY_DELIVERY_SECONDS) is False:
                     await self.broker.ack(delivery)
         finally:
+            if turn is not None:
+                turn.pass_on()
             self._in_hand -= 1
             self._room.set()
 
     # --- one delivery ----------------------------------------------------------
 
-    async def handle(self, delivery: Delivery) -> None:
+    async def handle(self, delivery: Delivery, turn: Turn | None = None) -> None:
+        """Start, hold, run and settle one delivery.  ``turn``: its place among
+        deliveries of its ordering key (consumers/turns.py), taken on arrival."""
         self.stats.received += 1
         self._received.inc()
         msg = delivery.message
@@ -331,6 +339,11 @@ class Worker:
             self._discard(Discard.EXPIRED)
             await self.broker.ack(delivery)
             return
+        if turn is not None:
+            await turn.wait()
+            # Handed over before this task next yields (Executors.run queues
+            # it at once): the next of its key cannot overtake it.
+            turn.pass_on()
         await self._execute(task, rec, obtained, early)
         await self.broker.ack(delivery)
 

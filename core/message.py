@@ -124,6 +124,11 @@ def check_stored_payload(payload: object) -> None:
             f"{STORED_MAX_DEPTH} levels deep)", str(payload)[:100])
 
 
+# A job header naming the ordering key: without it the job id is used, so
+# there is no order between jobs (JobMessage.ordering_key).
+ORDERING_KEY_HEADER = "ordering_key"
+
+
 @dataclass(frozen=True, slots=True)
 class JobMessage:
     job_id: uuid.UUID
@@ -149,6 +154,15 @@ class JobMessage:
                 "headers": self.headers,
             },
         ).encode()
+
+    def ordering_key(self) -> str:
+        """The job's ``ordering_key`` header as a string, else its id: jobs of
+        one key keep their order where the backend can (a Kafka partition, an
+        SQS FIFO message group, the order a worker hands them to handlers)."""
+        key = self.headers.get(ORDERING_KEY_HEADER) if self.headers else None
+        if key is None or key == "":
+            return str(self.job_id)
+        return key if isinstance(key, str) else str(key)
 
     def header_map(self) -> dict[str, str]:
         return {

@@ -88,13 +88,18 @@ class HeldJobs:
             self.changed.set()
         heapq.heappush(self._heap, _Held(release_at, next(self._seq), rec, owner))
 
-    def take_due(self, now: datetime) -> dict[str, list[JobRecord]]:
-        """Remove the jobs whose release time has come, by claim owner."""
-        by_owner: dict[str, list[JobRecord]] = {}
+    def take_due(self, now: datetime) -> list[tuple[str, list[JobRecord]]]:
+        """Remove the jobs whose release time has come: in runs of one claim
+        (owner), in release order (grouping a claim's jobs together would
+        send a later claim's earlier jobs after them)."""
+        runs: list[tuple[str, list[JobRecord]]] = []
         while self._heap and self._heap[0].release_at <= now:
             item = heapq.heappop(self._heap)
-            by_owner.setdefault(item.owner, []).append(item.record)
-        return by_owner
+            if runs and runs[-1][0] == item.owner:
+                runs[-1][1].append(item.record)
+            else:
+                runs.append((item.owner, [item.record]))
+        return runs
 
     def take_all(self) -> dict[str, list[uuid.UUID]]:
         """Remove every held job (shutdown): their ids by claim owner."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -43,7 +44,7 @@ from duebox.brokers.base import Broker, Outgoing, open_broker
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
-from duebox.heartbeat import ProcessHeartbeat, prune
+from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
 from duebox.metrics import DBCollector, Metrics, process_metrics
@@ -59,7 +60,7 @@ from .refusals import Refusals
 from .scale import ScaleControls
 from .schedules import ScheduleStep
 from .shards import ShardConfig
-from .stats import PassStats, RelayMetrics, RelayTotals
+from .stats import PassStats, RelayMetrics, RelayTotals, collect
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -109,6 +110,11 @@ class Relay:
         self.max_delay = max_delay
         self._held = HeldJobs(lead=self.lead, max_delay=max_delay,
                               precision=caps.delay_precision)
+        # One publish at a time, in the order they were decided: the timer's
+        # releases and a pass's batches would otherwise interleave, and a
+        # relay publishes the jobs of one ordering key in due-time order
+        # (Capabilities.ordering).  asyncio.Lock wakes its waiters in order.
+        self._publishing = asyncio.Lock()
         self._claims = itertools.count()
         self.schedules = ScheduleStep(app, self.batch_size)
         self.catchup = CatchUp(app, self.batch_size)
@@ -133,11 +139,12 @@ class Relay:
         # ids); the next claim's transaction marks them (see _pipeline).
         self._unmarked: list[tuple[str, list[uuid.UUID]]] = []
         self.collector = DBCollector(self.metrics, interval=collect_interval)
+        snapshot = functools.partial(collect, app, self.collector, self.scale)
         self._log = CollapsedLog(log)
         self.refusals = Refusals(app, self.name, self._log)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
-            info=self.observe.info, tick=self._collect, tick_interval=collect_interval)
+            info=self.observe.info, tick=snapshot, tick_interval=collect_interval)
         self.recovery = LeaseRecovery(app, self.broker, self.batch_size, self.name,
                                       recover_interval)
 
@@ -220,6 +227,10 @@ class Relay:
                 ready, claimed_at = await self._sort(records, owner, stats)
                 claimed = records
                 records = []  # sorted: held or being sent, no longer ours to hand back
+                release = self._held.next_release()
+                if ready and release is not None and release <= claimed_at:
+                    # Held jobs due before these (a late timer): published first.
+                    await self._release_held(stats)
                 sending = asyncio.create_task(self._send_then_mark_later(
                     ready, owner, stats, claimed_at))
                 if len(claimed) < self.batch_size:
@@ -366,12 +377,18 @@ class Relay:
         return self.near_window if self._timer is not None else self.hold_window
 
     async def _release_held(self, stats: PassStats) -> None:
-        for owner, recs in self._held.take_due(self.app.clock.now()).items():
-            await self._publish(recs, owner, stats)
+        # Popped and sent in one turn, so nothing decided later overtakes them.
+        async with self._publishing:
+            sent = [(owner, await self._send_in_turn(recs, owner, stats, None))
+                    for owner, recs in self._held.take_due(self.app.clock.now())]
+        for owner, ok in sent:
+            await self._mark(owner, ok, stats)
 
     async def _publish(self, records: list[jobstore.JobRecord], owner: str,
                        stats: PassStats, claimed_at: datetime | None = None) -> None:
-        ok = await self._send(records, owner, stats, claimed_at)
+        await self._mark(owner, await self._send(records, owner, stats, claimed_at), stats)
+
+    async def _mark(self, owner: str, ok: list[uuid.UUID], stats: PassStats) -> None:
         if not ok:
             return
         marked = await asyncio.to_thread(self._db, dispatched.mark_enqueued, owner, ok,
@@ -383,6 +400,11 @@ class Relay:
                     stats: PassStats, claimed_at: datetime | None = None) -> list[uuid.UUID]:
         """Publish ``records``; those the broker refused go back to SCHEDULED.
         Returns the ids it confirmed, for the caller to mark."""
+        async with self._publishing:
+            return await self._send_in_turn(records, owner, stats, claimed_at)
+
+    async def _send_in_turn(self, records: list[jobstore.JobRecord], owner: str,
+                            stats: PassStats, claimed_at: datetime | None) -> list[uuid.UUID]:
         if self.scale.shards is not None:
             records, fenced = await asyncio.to_thread(self.scale.still_owned, records)
             stats.fenced += fenced
@@ -417,18 +439,6 @@ class Relay:
         with db_errors("mark"), self.app.engine.begin() as conn:
             result: int = fn(conn, owner=owner, ids=ids, now=self.app.clock.now(), **kw)  # type: ignore[operator]
             return result
-
-    # --- observability ---------------------------------------------------------
-
-    def _collect(self) -> None:
-        """The database snapshot behind the state gauges, and pruning of
-        expired registry rows (run by the heartbeat task)."""
-        now = self.app.clock.now()
-        snap = self.collector.collect(self.app.engine, now)
-        self.scale.observe_workers(snap.processes, self.collector.interval)
-        if snap.expired_processes:
-            with self.app.engine.begin() as conn:
-                prune(conn, now=now, names=snap.expired_processes)
 
     # --- the loop --------------------------------------------------------------
 
@@ -471,6 +481,7 @@ class Relay:
         gc.freeze()  # as the worker does (consumers/worker.py): no long full collections
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-relay-heartbeat")
         self._held.changed = asyncio.Event()  # of this loop: run() may be called again
+        self._publishing = asyncio.Lock()
         self._timer = asyncio.create_task(self._fire_held(stop), name="duebox-relay-timer")
         backoff = 0.1
         log.info("relay %s started on %s (max_delay=%s)", self.name,

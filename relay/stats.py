@@ -6,10 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from duebox.metrics import Metrics, seconds
+from duebox.heartbeat import prune
+from duebox.metrics import DBCollector, Metrics, seconds
 from duebox.records import JobRecord
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+
+    from .scale import ScaleControls
 
 
 @dataclass
@@ -115,4 +121,16 @@ class RelayMetrics:
             setattr(t, name, getattr(t, name) + getattr(stats, name))
 
 
-__all__ = ["PassStats", "RelayMetrics", "RelayTotals"]
+def collect(app: Duebox, collector: DBCollector, scale: ScaleControls) -> None:
+    """The database snapshot behind the state gauges, what workers report
+    (for backpressure), and pruning of expired registry rows (run by the
+    relay's heartbeat task)."""
+    now = app.clock.now()
+    snap = collector.collect(app.engine, now)
+    scale.observe_workers(snap.processes, collector.interval)
+    if snap.expired_processes:
+        with app.engine.begin() as conn:
+            prune(conn, now=now, names=snap.expired_processes)
+
+
+__all__ = ["PassStats", "RelayMetrics", "RelayTotals", "collect"]

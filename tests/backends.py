@@ -26,11 +26,33 @@ import redis
 
 REDIS = os.environ.get("DUEBOX_TEST_REDIS", "redis://127.0.0.1:6379/0")
 AMQP = os.environ.get("DUEBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
-# LocalStack's SQS (localstack/start.sh) and a Kafka-protocol broker
-# (tests/services/kafka_mock.py); CI starts both first and names them here.
-SQS = os.environ.get("DUEBOX_TEST_SQS_ENDPOINT", "http://127.0.0.1:4566")
-KAFKA = os.environ.get("DUEBOX_TEST_KAFKA", "127.0.0.1:19092")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _session_service(variable: str, address: Callable[[int], str]) -> tuple[str, bool]:
+    """The address ``variable`` names, else one on a free port that this test
+    session's fixtures start (and stop) a service on: two sessions on one
+    machine (a developer's run beside a CI rehearsal, two worktrees) then
+    never share, restart or stop each other's.  The choice goes into the
+    environment, so the processes a test starts find the same service."""
+    own = f"{variable}_OWN"
+    if variable not in os.environ:
+        os.environ[variable] = address(free_port())
+        os.environ[own] = "1"
+    return os.environ[variable], os.environ.get(own) == "1"
+
+
+# LocalStack's SQS (localstack/start.sh) and a Kafka-protocol broker
+# (tests/services/kafka_mock.py): the session's own, unless named here.
+SQS, OWN_SQS = _session_service("DUEBOX_TEST_SQS_ENDPOINT", lambda p: f"http://127.0.0.1:{p}")
+KAFKA, OWN_KAFKA = _session_service("DUEBOX_TEST_KAFKA", lambda p: f"127.0.0.1:{p}")
 LOCALSTACK = ROOT / "localstack" / "start.sh"
 SERVICES = ROOT / "tests" / "services"
 
@@ -188,10 +210,15 @@ def sqs_healthy(endpoint: str = SQS) -> bool:
 
 
 def localstack(command: str, timeout: float = 900) -> subprocess.CompletedProcess[bytes]:
-    """``localstack/start.sh COMMAND``; a ``restart`` or ``stop`` acts only on
-    a LocalStack that script started (its pid file)."""
+    """``localstack/start.sh COMMAND`` for this session's LocalStack (its port,
+    and a run folder of that port's: a ``restart`` or ``stop`` acts only on
+    the LocalStack this session started)."""
+    port = SQS.rsplit(":", 1)[1].rstrip("/")
+    env = {**os.environ, "LOCALSTACK_PORT": port,
+           "LOCALSTACK_RUN": os.environ.get("LOCALSTACK_RUN")
+           or str(ROOT / "localstack" / f".run-{port}")}
     return subprocess.run([str(LOCALSTACK), command], capture_output=True, timeout=timeout,
-                          check=False)
+                          check=False, env=env)
 
 
 class Queues:

@@ -28,6 +28,8 @@ import pytest
 from backends import (
     AMQP,
     KAFKA,
+    OWN_KAFKA,
+    OWN_SQS,
     REDIS,
     SQS,
     Keys,
@@ -178,14 +180,14 @@ def amqp_vhost() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def sqs_endpoint() -> Iterator[str]:
-    """LocalStack's SQS: DUEBOX_TEST_SQS_ENDPOINT's, one already answering on
-    127.0.0.1:4566, or one this session starts with localstack/start.sh (its
-    first run installs LocalStack into localstack/.venv) and stops."""
-    if sqs_healthy(SQS):
+    """LocalStack's SQS: DUEBOX_TEST_SQS_ENDPOINT's, else one this session
+    starts on a port of its own with localstack/start.sh (its first run
+    installs LocalStack into LOCALSTACK_VENV) and stops."""
+    if not OWN_SQS:
+        if not sqs_healthy(SQS):
+            service_missing("LocalStack SQS", RuntimeError(f"nothing answers at {SQS}"))
         yield SQS
         return
-    if "DUEBOX_TEST_SQS_ENDPOINT" in os.environ:
-        service_missing("LocalStack SQS", RuntimeError(f"nothing answers at {SQS}"))
     started = localstack("start")
     if started.returncode != 0 or not sqs_healthy(SQS):
         service_missing("LocalStack SQS (localstack/start.sh)",
@@ -198,22 +200,23 @@ def sqs_endpoint() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
-    """A Kafka-protocol broker: DUEBOX_TEST_KAFKA's, one already listening on
-    127.0.0.1:19092, or librdkafka's mock cluster started (and stopped) here."""
-    if kafka_reachable(KAFKA):
+    """A Kafka-protocol broker: DUEBOX_TEST_KAFKA's, else librdkafka's mock
+    cluster, started (and stopped) here on a port of this session's own."""
+    if not OWN_KAFKA:
+        if not kafka_reachable(KAFKA):
+            service_missing("Kafka", RuntimeError(f"nothing listens at {KAFKA}"))
         yield KAFKA
         return
-    if "DUEBOX_TEST_KAFKA" in os.environ:
-        service_missing("Kafka", RuntimeError(f"nothing listens at {KAFKA}"))
+    port = int(KAFKA.rsplit(":", 1)[1])
     try:
         mock = kafka_mock()
-        address = mock.start_background(int(KAFKA.rsplit(":", 1)[1]))
+        address = mock.start_background(port)
     except (OSError, RuntimeError, ImportError) as exc:
         service_missing("the Kafka mock cluster (pip install confluent-kafka)", exc)
     try:
         yield address
     finally:
-        mock.stop_background()
+        mock.stop_background(mock.pidfile_for(port))
 
 
 @pytest.fixture

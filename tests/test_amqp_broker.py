@@ -743,15 +743,17 @@ async def test_duplicate_publishes_run_once(
     extra = broker(amqp_url, "duplicator")
     stop, tasks = await start(relay, worker)
     try:
-        # Due in 3 s: the copies arrive well over a second early (at 1.5 s
-        # they came 0.7-1.0 s early on a busy machine, held, not deferred).
-        job_id = schedule_committed(app, "effect", delay=3.0)
+        # Due in 6 s: the copies must arrive more than a second early to be
+        # deferred rather than held (_EARLY_HOLD_SECONDS); at 3 s a loaded
+        # machine's relay and polling took long enough that they came less
+        # than a second early and were held.
+        job_id = schedule_committed(app, "effect", delay=6.0)
         msg = await until(lambda: _message(app, job_id, "ENQUEUED"), seconds=10,
                           what="published", check=alive(tasks))
         copies = [Outgoing(msg, 0.0), Outgoing(msg, 0.2)]
         assert all(r.ok for r in await extra.publish(copies))
         await until(lambda: worker.stats.received >= 3 and state(app, job_id) == "SUCCEEDED",
-                    seconds=15, what="three deliveries", check=alive(tasks))
+                    seconds=20, what="three deliveries", check=alive(tasks))
         [late] = await extra.publish([Outgoing(msg, 0.0)])  # after success
         assert late.ok
         await until(lambda: worker.stats.received >= 4, seconds=10, what="fourth delivery",

@@ -3,9 +3,9 @@
 No Apache Kafka can be installed on the test machines; the broker here is
 librdkafka's mock cluster (``tests/services/kafka_mock.py``, from the
 confluent-kafka wheel) at a fixed address.  ``DUEBOX_TEST_KAFKA`` names a
-broker that is already running (CI starts the mock first; a real Kafka works
-too); otherwise the session starts the mock on 127.0.0.1:19092 and stops it at
-the end (the ``kafka_bootstrap`` fixture, conftest.py).  Every test has its
+broker that is already running (a real Kafka works too); otherwise the session
+starts the mock on a free port of its own and stops it at the end (the
+``kafka_bootstrap`` fixture, conftest.py), so two sessions never share one.  Every test has its
 own topic prefix and consumer group.  Under ``CI=true`` an unreachable broker
 fails the tests instead of skipping them.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from backends import KafkaNames, kafka_mock
+from backends import KafkaNames, free_port, kafka_mock
 from conftest import reset_tables, service_missing
 from helpers import (
     Running,
@@ -280,10 +280,11 @@ def restart_broker(bootstrap: str) -> None:
                             RuntimeError((proc.stdout + proc.stderr).decode()[-2000:]))
         return
     mock = kafka_mock()
-    if not mock.stop_background(sig=signal.SIGKILL):
+    port = int(bootstrap.rsplit(":", 1)[1])
+    if not mock.stop_background(mock.pidfile_for(port), signal.SIGKILL):
         service_missing("a Kafka this test can restart (the mock's pid file, or "
-                        "DUEBOX_TEST_KAFKA_RESTART)", RuntimeError(str(mock.PIDFILE)))
-    mock.start_background(int(bootstrap.rsplit(":", 1)[1]))
+                        "DUEBOX_TEST_KAFKA_RESTART)", RuntimeError(str(mock.pidfile_for(port))))
+    mock.start_background(port)
 
 
 @pytest.mark.slow
@@ -340,7 +341,7 @@ def own_mock(tmp_path: Path) -> Iterator[str]:
     mock = kafka_mock()
     pidfile = tmp_path / "mock.pid"
     try:
-        bootstrap = mock.start_background(_free_port(), pidfile=pidfile,
+        bootstrap = mock.start_background(free_port(), pidfile=pidfile,
                                           fix_sync_group=True)
     except RuntimeError as exc:
         service_missing("the Kafka mock cluster", exc)
@@ -350,12 +351,6 @@ def own_mock(tmp_path: Path) -> Iterator[str]:
         mock.stop_background(pidfile)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_a_rebalance_while_paused_drops_no_message(own_mock: str) -> None:

@@ -17,7 +17,6 @@ import contextlib
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
+from backends import free_port
 from sqlalchemy import create_engine, text
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -222,12 +222,6 @@ def test_flask_recipe_schedules_in_db_session_and_runs_beside_it(
         shop.jobs.dispose()
     check_one_order_one_job_ran_once(shop_db, "flask_shop_order", order_id,
                                      placed.get_json()["job_id"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_django_recipe_schedules_in_atomic_on_djangos_connection(

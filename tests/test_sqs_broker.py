@@ -2,9 +2,9 @@
 (fast, in-process), and the shared contract against LocalStack's SQS.
 
 LocalStack comes from ``localstack/start.sh`` (its own virtual environment,
-no Docker): ``DUEBOX_TEST_SQS_ENDPOINT`` names one that is already running
-(CI starts it first); otherwise the session starts one on 127.0.0.1:4566 and
-stops it at the end (the ``sqs_endpoint`` fixture, conftest.py).  The restart
+no Docker): ``DUEBOX_TEST_SQS_ENDPOINT`` names one that is already running;
+otherwise the session starts one on a free port of its own and stops it at
+the end (the ``sqs_endpoint`` fixture, conftest.py).  The restart
 test restarts a LocalStack that script started, or runs
 ``DUEBOX_TEST_SQS_RESTART``.  Every test works under its own queue-name prefix and
 deletes its queues afterwards.  Under ``CI=true`` an unreachable LocalStack

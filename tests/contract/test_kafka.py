@@ -59,13 +59,15 @@ class TestKafkaContract(BackendContract):
     async def broker_outage(self, app: duebox.Duebox,
                             running: Running) -> AsyncIterator[None]:
         mock = kafka_mock()
-        if not await asyncio.to_thread(mock.stop_background, mock.PIDFILE, signal.SIGKILL):
+        port = int(self.bootstrap.rsplit(":", 1)[1])
+        if not await asyncio.to_thread(mock.stop_background, mock.pidfile_for(port),
+                                       signal.SIGKILL):
             service_missing("a Kafka mock this suite can kill (tests/services/kafka_mock.py "
-                            "start)", RuntimeError(str(mock.PIDFILE)))
+                            "start)", RuntimeError(str(mock.pidfile_for(port))))
         try:
             yield
         finally:
-            await asyncio.to_thread(mock.start_background, int(self.bootstrap.rsplit(":", 1)[1]))
+            await asyncio.to_thread(mock.start_background, port)
 
     async def test_cancel_before_delivery_is_honoured(self, app: duebox.Duebox,
                                                       caps: Capabilities) -> None:

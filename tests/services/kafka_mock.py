@@ -251,16 +251,22 @@ async def serve(port: int, pidfile: str | None, fix_sync_group: bool = False) ->
 
 
 RUN = Path(__file__).resolve().parent / ".run"
-PIDFILE = RUN / "kafka-mock.pid"
 
 
-def start_background(port: int, *, pidfile: Path = PIDFILE, timeout: float = 30.0,
+def pidfile_for(port: int) -> Path:
+    """Where the mock on ``port`` keeps its process id (and log): one per
+    port, so mocks of two test sessions never stop each other."""
+    return RUN / f"kafka-mock-{port}.pid"
+
+
+def start_background(port: int, *, pidfile: Path | None = None, timeout: float = 30.0,
                      fix_sync_group: bool = False) -> str:
     """Start this script detached; return ``host:port`` once it is ready."""
     import shlex
     import subprocess
     import time
 
+    pidfile = pidfile or pidfile_for(port)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     log = pidfile.with_suffix(".log")
     log.write_text("")
@@ -284,7 +290,7 @@ def start_background(port: int, *, pidfile: Path = PIDFILE, timeout: float = 30.
     raise RuntimeError(f"the Kafka mock did not start within {timeout:g} s")
 
 
-def stop_background(pidfile: Path = PIDFILE, sig: int = signal.SIGTERM) -> bool:
+def stop_background(pidfile: Path, sig: int = signal.SIGTERM) -> bool:
     """Stop the process named in ``pidfile``; False if none was running."""
     import time
 
@@ -306,6 +312,8 @@ def stop_background(pidfile: Path = PIDFILE, sig: int = signal.SIGTERM) -> bool:
     else:
         os.kill(pid, signal.SIGKILL)
     pidfile.unlink(missing_ok=True)
+    if sig != signal.SIGKILL:  # stopped for good (a kill is a restart's first half)
+        pidfile.with_suffix(".log").unlink(missing_ok=True)
     return True
 
 
@@ -315,7 +323,7 @@ def main() -> None:
     parser.add_argument("command", nargs="?", default="run",
                         choices=["run", "start", "stop", "restart"],
                         help="run: in the foreground; start: detached, returns when ready "
-                             "(pid file in tests/services/.run); stop; restart: SIGKILL, "
+                             "(pid file in tests/services/.run, per port); stop; restart: SIGKILL, "
                              "then start an empty cluster at the same address")
     parser.add_argument("--port", type=int, default=19092,
                         help="the fixed port clients use (0: any free port with run)")
@@ -328,13 +336,13 @@ def main() -> None:
         asyncio.run(serve(args.port, args.pidfile, args.fix_sync_group))
         return
     if args.command in ("stop", "restart"):
-        stopped = stop_background(sig=signal.SIGKILL if args.command == "restart"
-                                  else signal.SIGTERM)
+        stopped = stop_background(pidfile_for(args.port), sig=signal.SIGKILL
+                                  if args.command == "restart" else signal.SIGTERM)
         if args.command == "stop":
             print("kafka mock: stopped" if stopped else "kafka mock: was not running")
             return
     ready = start_background(args.port, fix_sync_group=args.fix_sync_group)
-    print(f"kafka mock: ready at {ready} (pid file {PIDFILE})")
+    print(f"kafka mock: ready at {ready} (pid file {pidfile_for(args.port)})")
 
 
 if __name__ == "__main__":

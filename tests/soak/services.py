@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,7 @@ from tests.backends import (
     LOCALSTACK,
     KafkaNames,
     Queues,
+    free_port,
     kafka_mock,
     scratch_vhost,
     sqs_healthy,
@@ -53,12 +53,6 @@ def wait_until(what: str, ok: Callable[[], bool], timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise SoakSetupError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(0.2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _with_host(url: str, host: str, port: int) -> str:
