@@ -58,6 +58,8 @@ from .base import (
     BrokerContext,
     Capabilities,
     Delivery,
+    Durability,
+    Ordering,
     Outgoing,
     PublishResult,
     parse_params,
@@ -81,11 +83,13 @@ class AMQPBroker(Broker):
         max_delay=MAX_DELAY_MS / 1000,
         delay_precision=0.001,
         cancel=False,
-        ordering="per queue in visibility order; messages due within a few ms of each "
-                 "other may swap (each tier stop adds about 1 ms)",
-        durability="durable queues, persistent messages, publisher confirms; a classic "
-                   "queue dead-letters between tiers at most once (quorum: at least once); "
-                   "the job table republishes anything lost after redeliver_after",
+        ordering=Ordering.DUE,
+        ordering_note="per queue in visibility order; messages due within a few ms of each "
+                      "other may swap (each tier stop adds about 1 ms)",
+        durability=Durability.BROKER,
+        durability_note="durable queues, persistent messages, publisher confirms; a classic "
+                        "queue dead-letters between tiers at most once (quorum: at least once); "
+                        "the job table republishes anything lost after redeliver_after",
         payload_limit=PAYLOAD_LIMIT,
         redelivers_unacked=True,
         publish_lead=HANDOVER_LEAD,  # TTL tiers are coarse: the relay holds the last seconds

@@ -54,14 +54,16 @@ from duebox.errors import (
     ValidationError,
 )
 from duebox.logs import CollapsedLog
+from duebox.waiting import wait_any
 
-from ._waiting import wait_any
 from .base import (
     HANDOVER_LEAD,
     Broker,
     BrokerContext,
     Capabilities,
     Delivery,
+    Durability,
+    Ordering,
     Outgoing,
     PublishResult,
     refused,
@@ -74,7 +76,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("redis", "redis") from exc
 
 if TYPE_CHECKING:
-    from duebox.jobstore import EnqueuedRef
+    from duebox.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.redis")
 
@@ -360,9 +362,11 @@ class RedisBroker(Broker):
         max_delay=3600.0,
         delay_precision=0.001,
         cancel=True,
-        ordering="by due time, ties by job id, within a queue; concurrent workers interleave",
-        durability="Redis's own: none without AOF; the database is the source of truth and "
-                   "the relay's reconciliation publishes again what Redis lost",
+        ordering=Ordering.DUE,
+        ordering_note="by due time, ties by job id, within a queue; concurrent workers interleave",
+        durability=Durability.BROKER,
+        durability_note="Redis's own: none without AOF; the database is the source of truth and "
+                        "the relay's reconciliation publishes again what Redis lost",
         payload_limit=512 * 1024 * 1024,
         redelivers_unacked=True,
         in_flight_after_cancel="broker.cancel() removes a parked or unread entry; one already "

@@ -26,14 +26,24 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timedelta
 
-from duebox import jobstore
+from duebox import claims, jobstore
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import BrokerError, ConfigurationError, DatabaseError
 from duebox.fair_claim import DispatchPolicy, FairPicker
+from duebox.timing import SQL_HANDOVER_LEAD
+from duebox.waiting import wait_any
 
 from ._common import number
-from ._waiting import wait_any
-from .base import Broker, BrokerContext, Capabilities, Delivery, Outgoing, PublishResult
+from .base import (
+    Broker,
+    BrokerContext,
+    Capabilities,
+    Delivery,
+    Durability,
+    Ordering,
+    Outgoing,
+    PublishResult,
+)
 
 # Claimed jobs a worker may hold (due or not): a lookahead's worth at the rate
 # a worker runs them, few enough that one worker does not hoard what an idle
@@ -43,8 +53,6 @@ _HOLD_LIMIT = 1_024
 # and a claim of hundreds kept due jobs waiting for the event loop for tens
 # of milliseconds; several smaller claims interleave with the hand-offs.
 _CLAIM_MOST = 64
-# A claimed job is handed to the worker this long before its due time.
-_HAND_OVER_LEAD = timedelta(milliseconds=5)
 
 
 class SQLBroker(Broker):
@@ -53,8 +61,10 @@ class SQLBroker(Broker):
         max_delay=None,
         delay_precision=0.001,
         cancel=True,
-        ordering="due time, then id, within each claim; concurrent workers interleave",
-        durability="the database's: committed jobs survive any process crash",
+        ordering=Ordering.DUE,
+        ordering_note="due time, then id, within each claim; concurrent workers interleave",
+        durability=Durability.DATABASE,
+        durability_note="the database's: committed jobs survive any process crash",
         payload_limit=None,
         redelivers_unacked=True,
         in_flight_after_cancel="nothing is in flight: a cancelled row is never claimed",
@@ -97,12 +107,12 @@ class SQLBroker(Broker):
                 # Handed over a moment before the due time: the worker reads
                 # the job again (a cancel must win) and holds the handler to
                 # the due time itself, so the round trip is done by then.
-                now = self.context.clock.now() + _HAND_OVER_LEAD
+                now = self.context.clock.now() + SQL_HANDOVER_LEAD
                 while held and held[0][0] <= now:
                     _, _, rec, claimed_at = heapq.heappop(held)
                     self._in_flight += 1
                     yield Delivery(message=rec.to_message(), claimed=rec, claimed_at=claimed_at)
-                    now = self.context.clock.now() + _HAND_OVER_LEAD
+                    now = self.context.clock.now() + SQL_HANDOVER_LEAD
                 if claimer.done():
                     claimer.result()  # its error ends consumption (the worker retries)
                     return
@@ -178,7 +188,7 @@ class SQLBroker(Broker):
             if self.fair is not None:
                 ids = self.fair.pick(conn, horizon=now + ahead, after=None, now=now,
                                      limit=limit, queues=queues or None)
-            records = jobstore.claim_for_run(
+            records = claims.claim_for_run(
                 conn, owner=owner, now=now, limit=limit, horizon=now + ahead,
                 lease_until=now + ahead + timedelta(seconds=ctx.settings.lease_seconds),
                 queues=queues or None, worker=ctx.worker_name, ids=ids,
@@ -189,7 +199,7 @@ class SQLBroker(Broker):
                 # Due jobs wait for tokens: sleep until a bucket refills, not
                 # a busy loop on the next due time (already past).
                 return records, self.fair.last.wait
-            due = jobstore.next_due(conn)
+            due = claims.next_due(conn)
         if due is None:
             return records, float("inf")
         # Woken when the next due time is half a lookahead away, not a whole

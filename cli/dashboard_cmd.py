@@ -1,6 +1,6 @@
 """``duebox dashboard``: serve the web dashboard (docs/dashboard.md).
 
-Registered on the ``duebox`` group by one import at the end of cli/main.py.
+cli/main.py adds it to the ``duebox`` group.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import click
 from duebox import migrate
 
 from .loading import load_app
-from .main import cli
 from .options import app_options
 
 
@@ -23,7 +22,7 @@ def _loopback(address: str) -> bool:
         return False
 
 
-@cli.command()
+@click.command()
 @app_options
 @click.option("--host", envvar="DUEBOX_DASHBOARD_HOST", default="127.0.0.1",
               help="Address to listen on: IPv4 or IPv6 (::1), or a name. "

@@ -16,12 +16,15 @@ import click
 from sqlalchemy.orm import Session
 
 from duebox import Duebox, DueboxError, migrate
+from duebox.config import redacted
 from duebox.ids import parse_job_id
 from duebox.states import JobState
 
-from .dlq_cmd import register as register_dlq
+from .dashboard_cmd import dashboard
+from .dlq_cmd import dlq_group
 from .loading import load_app
 from .options import TEXT, F, app_options, errors_as_messages, operator_options
+from .schedules_cmd import schedules
 
 
 @click.group(context_settings={"auto_envvar_prefix": "DUEBOX", "show_default": True})
@@ -269,7 +272,7 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
     logging.getLogger().setLevel(logging.WARNING)
     app = Duebox(database_url=database_url, broker_url=broker_url)
     click.echo(f"duebox demo: {n_jobs} jobs due over the next {spread:g} s on "
-               f"{_redact(database_url)} with {broker_url}")
+               f"{redacted(database_url)} with {broker_url}")
     r = run_demo(app, n_jobs, spread, cancels)
     app.dispose()
     click.echo(
@@ -288,13 +291,10 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
                "`duebox dashboard`.")
 
 
-register_dlq(cli)
-
-
-def _redact(url: str) -> str:
-    from duebox.config import redacted
-
-    return redacted(url)
+# The command groups defined in their own modules.
+cli.add_command(dashboard)
+cli.add_command(dlq_group)
+cli.add_command(schedules)
 
 
 def main() -> None:
@@ -303,7 +303,3 @@ def main() -> None:
     except DueboxError as exc:  # pragma: no cover - commands convert their own
         click.echo(f"Error: {exc}", err=True)
         sys.exit(1)
-
-
-# Registers `duebox dashboard` and `duebox schedules`.
-from . import dashboard_cmd, schedules_cmd  # noqa: E402, F401

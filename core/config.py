@@ -6,14 +6,12 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
+from .dispatch_policy import DispatchPolicy
 from .errors import ConfigurationError
 from .values import MAX_SPAN
-
-if TYPE_CHECKING:
-    from .fair_claim import DispatchPolicy
 
 DEFAULT_DATABASE_URL = "sqlite:///duebox.db"
 DEFAULT_BROKER_URL = "sql://"
@@ -62,8 +60,6 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.dispatch_policy is not None:
-            from .fair_claim import DispatchPolicy
-
             object.__setattr__(self, "dispatch_policy", DispatchPolicy.parse(self.dispatch_policy))
         _positive_int("batch_size", self.batch_size, upper=100_000)
         _positive_int("concurrency", self.concurrency, upper=10_000)

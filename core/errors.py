@@ -21,6 +21,8 @@ original chained as ``__cause__``::
 
 from __future__ import annotations
 
+from .states import Discard
+
 
 class DueboxError(Exception):
     """Root of every error duebox raises on purpose."""
@@ -77,7 +79,7 @@ class MessageDecodeError(ValidationError):
     ``undecodable``, ``too_large`` or ``too_deep``."""
 
     def __init__(self, field: str, rule: str, value: object = ..., *,
-                 reason: str = "undecodable") -> None:
+                 reason: str = Discard.UNDECODABLE) -> None:
         super().__init__(field, rule, value)
         self.reason = reason
 

@@ -37,6 +37,16 @@ class FailureClass(StrEnum):
     UNKNOWN = "unknown"
 
 
+class SystemFailure(StrEnum):
+    """Error classes duebox writes when an attempt ends for a reason outside
+    the handler (``FailureClass`` is the handler's): together they are every
+    value of the ``error_class`` column."""
+
+    LOST = "lost"  # the worker vanished (lease expired, process died)
+    EXPIRED = "expired"  # too late to run: past expires_at or max_lateness
+    REFUSED = "refused"  # the broker refuses its message for good
+
+
 class JobFailure(DueboxError):
     """Base of the exceptions a handler raises to say how it failed."""
 

@@ -49,7 +49,7 @@ from helpers import (
 )
 
 import duebox
-from duebox.brokers.base import Capabilities, Outgoing
+from duebox.brokers.base import Capabilities, Durability, Ordering, Outgoing
 from duebox.errors import BrokerError
 from duebox.message import JobMessage
 from duebox.relay import Relay
@@ -184,7 +184,7 @@ class BackendContract:
         ran = [e.job_id for e in sorted(effect_rows(app.engine).values(),
                                         key=lambda e: e.started_us)]
         assert sorted(ran) == sorted(str(j) for j in ids.values())
-        if caps.ordering.startswith("none"):
+        if caps.ordering is Ordering.NONE:
             return  # documented: no ordering promise; every job ran once, never early
         assert ran == [str(ids[i]) for i in range(len(dues))], caps.ordering
 
@@ -433,7 +433,7 @@ class BackendContract:
             # sql://: the job table is the queue; there is no broker to restart
             # and its durability is the database's.  A PostgreSQL restart is
             # out of scope for this suite.
-            assert "database" in caps.durability
+            assert caps.durability is Durability.DATABASE
             return
         app = apps(settings={"redeliver_after": 3.0})
         ids = [schedule_committed(app, "effect", {"i": i}, delay=0.2 + 0.1 * i) for i in range(16)]
