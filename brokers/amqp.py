@@ -29,7 +29,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from duebox.errors import BrokerError, ConfigurationError, DueboxError, ValidationError
@@ -52,11 +52,11 @@ from .amqp_topology import (
 )
 from .base import (
     HANDOVER_LEAD,
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
     Outgoing,
+    PublishingBroker,
     PublishResult,
     parse_params,
     refused,
@@ -73,7 +73,7 @@ _YIELD_EVERY = 64
 _RETIRED_MOST = 4
 
 
-class AMQPBroker(Broker):
+class AMQPBroker(PublishingBroker):
     capabilities = Capabilities(
         name="amqp",
         max_delay=MAX_DELAY_MS / 1000,
@@ -262,7 +262,8 @@ class AMQPBroker(Broker):
 
     # --- consume -------------------------------------------------------------
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(dict.fromkeys(queues)) or ["default"]
         for name in names:
             check_queue_name(self.topology, name)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from duebox.config import Settings
-    from duebox.jobstore import EnqueuedRef
+    from duebox.jobstore import EnqueuedRef, JobRecord
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ class Capabilities:
     none — the relay holds near-due jobs and publishes each at its due time).
     ``delay_precision``: the granularity of that delay; the relay rounds up to
     it so nothing becomes visible early.  ``direct_claim``: workers claim due
-    rows from the job table themselves and the relay publishes nothing.
+    rows from the job table themselves and the relay publishes nothing (the
+    backend is a :class:`Broker`; the others are a :class:`PublishingBroker`).
     ``publish_lead``: set where the broker's own delay is too coarse (or
     absent) for a precise hand-over: the relay holds near-due jobs in memory
     (still leased) and publishes each this many seconds before its due time,
@@ -86,13 +87,13 @@ class BrokerContext:
 
 @dataclass
 class Delivery:
-    """One message handed to a worker.  ``claimed`` is set by backends that
-    lease the job row themselves (``sql://``); otherwise the worker starts the
-    job with a version-checked update."""
+    """One message handed to a worker.  ``claimed`` is the job's row, leased,
+    from backends that claim it themselves (``sql://``); absent, the worker
+    starts the job with a version-checked update."""
 
     message: JobMessage | None
     raw: Any = None
-    claimed: Any = None
+    claimed: JobRecord | None = None
     # When ``claimed`` was leased: a claim made ahead of the due time, or
     # long before the handler starts, is re-read before it runs.
     claimed_at: datetime | None = None
@@ -149,19 +150,32 @@ class Outgoing:
 
 
 class Broker(abc.ABC):
-    """A delivery path.  Implementations are async and safe to use from one loop."""
+    """A delivery path.  Implementations are async and safe to use from one loop.
+
+    Every backend consumes; those the relay publishes to are a
+    :class:`PublishingBroker`.  A backend that is neither (``sql://``: its
+    workers claim due rows from the job table) declares
+    ``Capabilities.direct_claim``, and the relay publishes nothing there.
+    """
 
     capabilities: Capabilities
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        caps = cls.__dict__.get("capabilities")
+        # A backend that declares no direct claim must take the relay's
+        # messages, or its jobs would never reach a worker.
+        if isinstance(caps, Capabilities) and caps.direct_claim == issubclass(
+                cls, PublishingBroker):
+            kind = "must not" if caps.direct_claim else "must"
+            raise TypeError(f"{cls.__name__}: a backend with direct_claim={caps.direct_claim} "
+                            f"{kind} be a PublishingBroker")
 
     def __init__(self, url: str, context: BrokerContext) -> None:
         self.url = url
         self.context = context
         self.params = parse_params(url)
         self.max_delay = effective_max_delay(self.capabilities.max_delay, self.params)
-        # Set by a worker: how many jobs it wants in hand right now (running
-        # or waiting to run).  A backend whose consume claims jobs itself
-        # (sql://) claims up to it rather than a fixed multiple of prefetch.
-        self.wanted: Callable[[], int] | None = None
         # Set by a worker: call when :meth:`registry_info` changed, so the
         # registry row says so at once.
         self.registry_changed: Callable[[], None] | None = None
@@ -187,17 +201,15 @@ class Broker(abc.ABC):
         """Release connections.  Must be idempotent."""
 
     @abc.abstractmethod
-    async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
-        """Hand messages to the broker; return one result per message, in order.
+    def consume(self, queues: Sequence[str], prefetch: int,
+                wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
+        """Yield deliveries for ``queues``, at most ``prefetch`` unacknowledged.
 
-        A result is ``ok`` only when the broker confirmed it durably; the
-        relay marks ``ENQUEUED`` only those.  A message must not become
-        visible to consumers before ``delay`` has passed.
+        ``wanted``: how many jobs the worker wants in hand right now (running
+        or waiting to run).  A backend that claims jobs itself (``sql://``)
+        claims up to it rather than a fixed multiple of ``prefetch``; one
+        that buffers a broker's messages has ``prefetch`` for that.
         """
-
-    @abc.abstractmethod
-    def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
-        """Yield deliveries for ``queues``, at most ``prefetch`` unacknowledged."""
 
     async def ack(self, delivery: Delivery) -> None:  # noqa: B027 - optional hook
         """The job reached a final or rescheduled state: drop the message."""
@@ -250,6 +262,19 @@ class Broker(abc.ABC):
         it lost its data since the last call (Redis restarted empty), so the
         relay reconciles at once instead of at its next periodic sweep."""
         return False
+
+
+class PublishingBroker(Broker):
+    """A backend the relay hands due jobs to (all but ``sql://``)."""
+
+    @abc.abstractmethod
+    async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
+        """Hand messages to the broker; return one result per message, in order.
+
+        A result is ``ok`` only when the broker confirmed it durably; the
+        relay marks ``ENQUEUED`` only those.  A message must not become
+        visible to consumers before ``delay`` has passed.
+        """
 
 
 async def open_broker(broker: Broker, stop: asyncio.Event) -> bool:

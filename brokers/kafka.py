@@ -47,7 +47,7 @@ import random
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -56,11 +56,11 @@ from duebox.logs import CollapsedLog, kind_of
 
 from .base import (
     HANDOVER_LEAD,
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
     Outgoing,
+    PublishingBroker,
     PublishResult,
     parse_params,
     refused,
@@ -142,7 +142,7 @@ _DEAD_LETTER = "dead-letter"
 _COMMIT_EVERY = 0.2  # seconds between offset commits while messages finish
 
 
-class KafkaBroker(Broker):
+class KafkaBroker(PublishingBroker):
     capabilities = Capabilities(
         name="kafka",
         max_delay=0.0,
@@ -550,7 +550,8 @@ class KafkaBroker(Broker):
 
     # --- worker side ----------------------------------------------------------------
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(dict.fromkeys(queues)) or ["default"]
         topics = [self.settings.topic(q) for q in names]
         by_topic = dict(zip(topics, names, strict=True))

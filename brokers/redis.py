@@ -41,7 +41,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -58,11 +58,11 @@ from duebox.logs import CollapsedLog
 from ._waiting import wait_any
 from .base import (
     HANDOVER_LEAD,
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
     Outgoing,
+    PublishingBroker,
     PublishResult,
     refused,
 )
@@ -354,7 +354,7 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-class RedisBroker(Broker):
+class RedisBroker(PublishingBroker):
     capabilities = Capabilities(
         name="redis",
         max_delay=3600.0,
@@ -550,7 +550,8 @@ class RedisBroker(Broker):
 
     # --- worker side ------------------------------------------------------------
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(queues) or ["default"]
         client = await self._redis()
         stop = asyncio.Event()

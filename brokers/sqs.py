@@ -69,11 +69,11 @@ from duebox.message import JobMessage
 
 from ._common import safe_token
 from .base import (
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
     Outgoing,
+    PublishingBroker,
     PublishResult,
     parse_params,
     refused,
@@ -171,7 +171,7 @@ def message_size(body: str, attrs: dict[str, dict[str, str]]) -> int:
     return size
 
 
-class SQSBroker(Broker):
+class SQSBroker(PublishingBroker):
     capabilities = Capabilities(
         name="sqs",
         max_delay=float(MAX_DELAY_SECONDS),
@@ -581,7 +581,8 @@ class SQSBroker(Broker):
 
     # --- worker side --------------------------------------------------------------
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(dict.fromkeys(queues)) or ["default"]
         for name in names:
             self.settings.queue_name(name)  # a name SQS cannot take fails now

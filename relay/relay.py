@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import heapq
 import itertools
 import logging
 import math
@@ -36,15 +35,16 @@ import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from duebox import jobstore
-from duebox.brokers.base import Broker, Outgoing, open_broker
+from duebox.brokers.base import Broker, Outgoing, PublishingBroker, open_broker
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
 from duebox.heartbeat import ProcessHeartbeat, prune
+from duebox.holding import Hold
 from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
 from duebox.metrics import DBCollector, Metrics, process_metrics, seconds
@@ -104,12 +104,10 @@ class RelayTotals(PassStats):
     errors: int = 0
 
 
-@dataclass(order=True)
+@dataclass(frozen=True)
 class _Held:
-    release_at: datetime
-    seq: int
-    record: jobstore.JobRecord = field(compare=False)
-    owner: str = field(compare=False)
+    record: jobstore.JobRecord
+    owner: str
 
 
 class Relay:
@@ -138,6 +136,9 @@ class Relay:
         self.name = name or process_token("relay")
         self.broker = broker or app.broker(self.name)
         self.batch_size = batch_size or app.settings.batch_size
+        # Absent where workers claim rows from the job table (sql://): then
+        # the relay publishes nothing; it recovers, takes over and generates.
+        self.publisher = self.broker if isinstance(self.broker, PublishingBroker) else None
         caps = self.broker.capabilities
         max_delay = self.broker.max_delay
         # How far ahead of the broker's ceiling to claim and hold in memory.
@@ -155,17 +156,16 @@ class Relay:
         self.precision = caps.delay_precision
         self.recover_interval = recover_interval
         self.totals = RelayTotals()
-        self._held: list[_Held] = []
+        self._held: Hold[_Held] = Hold()
         # One publish at a time, in the order they were decided: the timer's
         # releases and a pass's batches would otherwise interleave, and a
         # relay publishes the jobs of one ordering key in due-time order
         # (Capabilities.ordering).  asyncio.Lock wakes its waiters in order.
         self._publishing = asyncio.Lock()
-        self._seq = itertools.count()
         self._claims = itertools.count()
         self._last_recover = -math.inf
         self.reconcile_interval = reconcile_interval
-        self._reconciles = not caps.direct_claim
+        self._reconciles = self.publisher is not None
         self._last_reconcile = -math.inf
         self._sweep: tuple[datetime, uuid.UUID] | None = None
         self._sweeping = False
@@ -173,7 +173,7 @@ class Relay:
         self.catchup = CatchUp(app, self.batch_size)
         # Operating at scale (docs/scale.md): fair, rate-limited claims and
         # fenced shard ownership; both off unless configured.
-        if shards is not None and caps.direct_claim:
+        if shards is not None and self.publisher is None:
             raise ConfigurationError(
                 f"shards: sharding fences a relay's claim for a broker; on {caps.name}:// "
                 "workers claim rows from the job table themselves and are not sharded "
@@ -212,7 +212,7 @@ class Relay:
                         self.metrics.recovered.labels(kind).inc(getattr(recovered, kind))
             stats.expired += await asyncio.to_thread(self.catchup.sweep)
         stats.occurrences = await self.schedules.run()
-        if not self.broker.capabilities.direct_claim:
+        if self.publisher is not None:
             if self._reconciles:
                 stats.reconciled = await self._reconcile()
             if self.scale.shards is not None:
@@ -268,7 +268,8 @@ class Relay:
                 ready, claimed_at = await self._sort(records, owner, stats)
                 claimed = records
                 records = []  # sorted: held or being sent, no longer ours to hand back
-                if ready and self._held and self._held[0].release_at <= claimed_at:
+                earliest = self._held.earliest()
+                if ready and earliest is not None and earliest <= claimed_at:
                     # Held jobs due before these (a late timer): published first.
                     await self._release_held(stats)
                 sending = asyncio.create_task(self._send_then_mark_later(
@@ -432,9 +433,8 @@ class Relay:
                 continue
             release_at = self._release_time(rec, now)
             if release_at > now:
-                if not self._held or release_at < self._held[0].release_at:
+                if self._held.push(release_at, _Held(rec, owner)):
                     self._held_changed.set()  # the timer sleeps until the earliest
-                heapq.heappush(self._held, _Held(release_at, next(self._seq), rec, owner))
                 stats.held += 1
             else:
                 ready.append(rec)
@@ -461,8 +461,7 @@ class Relay:
         async with self._publishing:
             now = self.app.clock.now()
             runs: list[tuple[str, list[jobstore.JobRecord]]] = []
-            while self._held and self._held[0].release_at <= now:
-                item = heapq.heappop(self._held)
+            for item in self._held.take_all(now):
                 if runs and runs[-1][0] == item.owner:
                     runs[-1][1].append(item.record)
                 else:
@@ -508,13 +507,13 @@ class Relay:
             stats.fenced += fenced
             if fenced:
                 self.metrics.fenced.labels(self.backend).inc(fenced)
-        if not records:
+        if not records or self.publisher is None:  # nothing is claimed without one
             return []
         now = self.app.clock.now()
         batch = [Outgoing(r.to_message(), self._delay_for(r, now)) for r in records]
         started = time.monotonic()
         try:
-            results = await self.broker.publish(batch)
+            results = await self.publisher.publish(batch)
         except Exception as exc:  # an outage, or any client's own exception
             self.scale.backpressure.observe(len(batch), time.monotonic() - started, error=True)
             self._log.warning(f"publish:{kind_of(exc)}", "publish of %d jobs failed: %s: %s",
@@ -673,14 +672,15 @@ class Relay:
     def _seconds_until_next(self) -> float:
         now = self.app.clock.now()
         waits = [self.app.settings.poll_interval, self._recover_wait()]
-        if self._held and self._timer is None:
-            waits.append((self._held[0].release_at - now).total_seconds())
+        earliest = self._held.earliest()
+        if earliest is not None and self._timer is None:
+            waits.append((earliest - now).total_seconds())
         if self._sweeping or self.schedules.pending:
             waits.append(0.0)
         if self.catchup.throttled:
             waits.append(self.catchup.bucket.seconds_until(self.catchup.chunk, now))
         rate_wait = self.scale.wait()
-        if not self.broker.capabilities.direct_claim and self.max_delay is not None:
+        if self.publisher is not None and self.max_delay is not None:
             with db_errors("next due"), self.app.engine.connect() as conn:
                 due = jobstore.next_due(conn)
             if due is not None:
@@ -756,8 +756,9 @@ class Relay:
         while not stop.is_set():
             self._held_changed.clear()
             wait = self.app.settings.poll_interval
-            if self._held:
-                wait = (self._held[0].release_at - self.app.clock.now()).total_seconds()
+            earliest = self._held.earliest()
+            if earliest is not None:
+                wait = (earliest - self.app.clock.now()).total_seconds()
             if wait > 0:
                 await wait_any(wait, self._held_changed, stop)
                 continue
@@ -779,9 +780,8 @@ class Relay:
         """On shutdown, held jobs go back to SCHEDULED at once so another relay
         need not wait for their leases to expire."""
         by_owner: dict[str, list[object]] = {}
-        for item in self._held:
+        for item in self._held.drain():
             by_owner.setdefault(item.owner, []).append(item.record.id)
-        self._held.clear()
         for owner, ids in by_owner.items():
             with contextlib.suppress(DatabaseError):
                 await asyncio.to_thread(self._db, jobstore.release, owner, ids)
