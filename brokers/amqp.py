@@ -27,12 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
-from duebox.errors import BrokerError, ConfigurationError, DueboxError, ValidationError
+from duebox.errors import BrokerError, DueboxError, ValidationError
 from duebox.logs import CollapsedLog
 
 from .amqp_link import (
@@ -44,12 +43,8 @@ from .amqp_link import (
     pika_parameters,
     properties,
 )
-from .amqp_topology import (
-    MAX_DELAY_MS,
-    MODES,
-    Topology,
-    check_queue_name,
-)
+from .amqp_settings import OWN_PARAMS, AMQPSettings, topology_of
+from .amqp_topology import MAX_DELAY_MS, check_queue_name
 from .base import (
     HANDOVER_LEAD,
     BrokerContext,
@@ -64,7 +59,6 @@ from .base import (
 
 log = logging.getLogger("duebox.brokers.amqp")
 
-OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "confirm_timeout"})
 # RabbitMQ's default max_message_size (3.8+): larger messages close the channel.
 PAYLOAD_LIMIT = 128 * 1024 * 1024
 _YIELD_EVERY = 64
@@ -93,15 +87,12 @@ class AMQPBroker(PublishingBroker):
 
     def __init__(self, url: str, context: BrokerContext) -> None:
         super().__init__(url, context)
-        self.topology = _topology(self.params)
-        p = self.params
-        self.mode = p.get("delay_mode", "auto")
-        if self.mode not in MODES:
-            raise ConfigurationError(
-                f"broker_url: delay_mode must be one of {', '.join(MODES)} (got {self.mode!r})")
-        self.confirm_timeout = _positive(p, "confirm_timeout", 30.0)
+        self.settings = AMQPSettings.from_url(url)
+        self.topology = self.settings.topology
+        self.mode = self.settings.delay_mode
+        self.confirm_timeout = self.settings.confirm_timeout
         self.pika_params = pika_parameters(url, context.worker_name, OWN_PARAMS)
-        self.plugin: bool | None = {"auto": None, "tiers": False, "plugin": True}[self.mode]
+        self.plugin: bool | None = self.settings.plugin
         self._lock = asyncio.Lock()
         self._link: Link | None = None
         self._admin: Channel | None = None
@@ -116,7 +107,7 @@ class AMQPBroker(PublishingBroker):
     def check_queue_name(cls, url: str, name: str) -> None:
         """No ``*`` or ``#`` word (topic wildcards in the tier bindings), at
         most 255 bytes with the prefix and the tier routing key."""
-        check_queue_name(_topology(parse_params(url)), name)
+        check_queue_name(topology_of(parse_params(url)), name)
 
     # --- connection ----------------------------------------------------------
 
@@ -376,22 +367,3 @@ class AMQPBroker(PublishingBroker):
         self._log.warning(f"defer:{error}"[:80], "could not defer job %s (%s); it goes back "
                           "to the job table", delivery.message.job_id, error)
         return False
-
-
-def _topology(params: dict[str, str]) -> Topology:
-    return Topology(prefix=params.get("prefix", "duebox"),
-                    queue_type=params.get("queue_type", "classic"))
-
-
-def _positive(params: dict[str, str], name: str, default: float) -> float:
-    raw = params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(f"broker_url: {name} must be a number of seconds > 0 "
-                                 f"(got {raw!r})")
-    return value

@@ -62,7 +62,6 @@ from .base import (
     Outgoing,
     PublishingBroker,
     PublishResult,
-    parse_params,
     refused,
 )
 from .kafka_offsets import OffsetTracker, Truncated
@@ -165,7 +164,7 @@ class KafkaBroker(PublishingBroker):
     )
 
     def __init__(self, url: str, context: BrokerContext) -> None:
-        self.settings = KafkaSettings.from_url(url, parse_params(url))
+        self.settings = KafkaSettings.from_url(url)
         self.capabilities = replace(type(self).capabilities,
                                     payload_limit=self.settings.max_message_size)
         super().__init__(url, context)
@@ -198,7 +197,7 @@ class KafkaBroker(PublishingBroker):
     def check_queue_name(cls, url: str, name: str) -> None:
         """Kafka topic names: letters, digits, '.', '-' and '_', 1 to 249 with
         the prefix, not '.' or '..'."""
-        KafkaSettings.from_url(url, parse_params(url)).topic(name)
+        KafkaSettings.from_url(url).topic(name)
 
     def _where(self) -> str:
         return f"Kafka at {','.join(self.settings.bootstrap)}"

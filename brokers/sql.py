@@ -34,7 +34,7 @@ from duebox.holding import Hold
 
 from ._common import number
 from ._waiting import wait_any
-from .base import Broker, BrokerContext, Capabilities, Delivery
+from .base import Broker, BrokerContext, Capabilities, Delivery, parse_params
 
 # Claimed jobs a worker may hold (due or not): a lookahead's worth at the rate
 # a worker runs them, few enough that one worker does not hoard what an idle
@@ -46,6 +46,18 @@ _HOLD_LIMIT = 1_024
 _CLAIM_MOST = 64
 # A claimed job is handed to the worker this long before its due time.
 _HAND_OVER_LEAD = timedelta(milliseconds=5)
+
+
+@dataclass(frozen=True)
+class SQLSettings:
+    """What an ``sql://`` URL says: ``lookahead``, seconds before a due time
+    a worker claims the job (0: only due jobs)."""
+
+    lookahead: float = 0.25
+
+    @classmethod
+    def from_url(cls, url: str) -> SQLSettings:
+        return cls(lookahead=number(parse_params(url), "lookahead", 0.25, low=0.0, high=60.0))
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,8 @@ class SQLBroker(Broker):
         self._in_flight = 0
         self._freed = asyncio.Event()
         self._seq = itertools.count()
-        self.lookahead = number(self.params, "lookahead", 0.25, low=0.0, high=60.0)
+        self.settings = SQLSettings.from_url(url)
+        self.lookahead = self.settings.lookahead
         # Workers claim rows themselves here, so the dispatch policy (the
         # relay's on other backends) shapes their claim: priority, fair
         # shares, aging, quotas and rate limits, shared through the database.

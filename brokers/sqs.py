@@ -75,7 +75,6 @@ from .base import (
     Outgoing,
     PublishingBroker,
     PublishResult,
-    parse_params,
     refused,
 )
 from .sqs_settings import MAX_DELAY_SECONDS, MAX_VISIBILITY, SQSSettings
@@ -189,8 +188,7 @@ class SQSBroker(PublishingBroker):
     )
 
     def __init__(self, url: str, context: BrokerContext) -> None:
-        params = parse_params(url)
-        self.settings = s = SQSSettings.from_url(url, params)
+        self.settings = s = SQSSettings.from_url(url)
         caps = replace(type(self).capabilities, payload_limit=s.max_message_size)
         if s.fifo:
             caps = replace(
@@ -227,7 +225,7 @@ class SQSBroker(PublishingBroker):
     def check_queue_name(cls, url: str, name: str) -> None:
         """SQS names: letters, digits, '-' and '_', at most 80 with the prefix
         (and ``.fifo``)."""
-        SQSSettings.from_url(url, parse_params(url)).queue_name(name)
+        SQSSettings.from_url(url).queue_name(name)
 
     # --- connection -------------------------------------------------------------
 
