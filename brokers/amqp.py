@@ -29,7 +29,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 from duebox.errors import BrokerError, DueboxError, ValidationError
 from duebox.logs import CollapsedLog
@@ -44,7 +45,7 @@ from .amqp_link import (
     properties,
 )
 from .amqp_settings import OWN_PARAMS, AMQPSettings, topology_of
-from .amqp_topology import MAX_DELAY_MS, check_queue_name
+from .amqp_topology import MAX_DELAY_MS, check_queue_name, delay_ms, tier_at
 from .base import (
     HANDOVER_LEAD,
     BrokerContext,
@@ -56,6 +57,9 @@ from .base import (
     parse_params,
     refused,
 )
+
+if TYPE_CHECKING:
+    from duebox.jobstore import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.amqp")
 
@@ -250,6 +254,16 @@ class AMQPBroker(PublishingBroker):
                     self._declared.discard(msg.queue)  # declare it again next time
                 results[i] = PublishResult(msg.job_id, False, error=error)
         return [r for r in results if r is not None]
+
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        """The tier a delayed message is in, from the delay it was published
+        with (or the plugin's exchange: which one is decided at connect)."""
+        if job.due_at <= now or job.published_at is None:
+            return f"in the RabbitMQ queue {job.queue}"
+        ms = delay_ms((job.due_at - job.published_at).total_seconds())
+        elapsed = (now - job.published_at).total_seconds() * 1000
+        return (f"in RabbitMQ delay {tier_at(ms, elapsed)} (tier topology; with the "
+                f"delayed-message plugin, in its exchange)")
 
     # --- consume -------------------------------------------------------------
 

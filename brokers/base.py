@@ -251,6 +251,13 @@ class Broker(abc.ABC):
         peer's :meth:`take_over` after its death (Kafka: its group member id)."""
         return {}
 
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        """Where the message of ``job`` (``ENQUEUED``) is at ``now``, in a few
+        words for people (``duebox jobs show``, the dashboard): read from the
+        job's row and this backend's delay mechanism, never from the broker
+        (no network call).  The default names the backend."""
+        return f"in the {self.capabilities.name} broker"
+
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID] | None:
         """Reconciliation: of these ``ENQUEUED`` jobs, the ids whose message
         (at that version) the broker no longer holds; the relay publishes them

@@ -45,6 +45,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from duebox.errors import BrokerError, MissingDependencyError
@@ -348,6 +349,9 @@ class KafkaBroker(PublishingBroker):
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         return await self.losses.missing(jobs)
+
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        return f"in the Kafka topic of {job.queue}"
 
     # --- worker side ----------------------------------------------------------------
 

@@ -42,6 +42,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -275,6 +276,11 @@ class RedisBroker(PublishingBroker):
             return bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
         except RedisError as exc:
             raise BrokerError(f"{self._where()}: {exc}") from exc
+
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        if job.due_at > now:
+            return "in the Redis index (sorted set by due time)"
+        return f"in the Redis ready stream of {job.queue}"
 
     # --- worker side ------------------------------------------------------------
 

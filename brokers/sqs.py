@@ -51,7 +51,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 from duebox.errors import (
     BrokerError,
@@ -78,11 +79,10 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("boto3", "sqs") from exc
 
 if TYPE_CHECKING:
-    pass
+    from duebox.jobstore import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.sqs")
 
-T = TypeVar("T")
 
 _SEND_ATTEMPTS = 6
 _DEAD_LETTER = "dead-letter"
@@ -269,6 +269,9 @@ class SQSBroker(SQSQueues):
             done[e.index] = (False, error)
         every = last is not None and len(pending) == len(chunk)
         return done, (last if every else None)
+
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        return "in SQS delay (DelaySeconds)" if job.due_at > now else "visible in the SQS queue"
 
     # --- worker side --------------------------------------------------------------
 
