@@ -40,7 +40,7 @@ def redis_zadd(url: str, n: int) -> dict[str, Any]:
     the relay's publish, without its message and reconciliation hashes."""
     import redis
 
-    from duebox.brokers.redis import RedisSettings
+    from duebox.brokers.redis_settings import RedisSettings
 
     settings = RedisSettings.from_url(url)
     key = f"{settings.prefix}:raw:due"
