@@ -55,11 +55,14 @@ def redis_url() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def amqp_url() -> Iterator[str]:
-    """A fresh vhost (guest may use it), deleted at the end with everything in it."""
+def amqp_url(delay_mode: str = "tiers") -> Iterator[str]:
+    """A fresh vhost (guest may use it), deleted at the end with everything in
+    it.  The ``amqp`` section measures the tier topology whether or not the
+    broker has the delayed-message plugin (``bench/amqp_delays.py`` compares
+    the two)."""
     tb = test_backends()
     with tb.scratch_vhost(f"duebox_bench_{uuid.uuid4().hex[:10]}") as name:
-        yield f"{tb.AMQP.rstrip('/')}/{name}?prefix=bench"
+        yield f"{tb.AMQP.rstrip('/')}/{name}?prefix=bench&delay_mode={delay_mode}"
 
 
 def amqp_queues(url: str) -> list[tuple[str, int, int]]:

@@ -4,7 +4,8 @@ runs these and writes RESULTS.md.
 Usage (normally through run.py)::
 
     python bench/backends_trials.py relay    BACKEND DATABASE_URL BROKER_URL N [--raw-first]
-    python bench/backends_trials.py lateness BACKEND DATABASE_URL BROKER_URL RATE SECONDS
+                                             [--min-delay SECONDS]
+    python bench/backends_trials.py lateness BACKEND DATABASE_URL BROKER_URL RATE SECONDS [NEAR]
 
 BACKEND is redis, amqp, sqs or kafka; BROKER_URL a namespace of the trial's
 own (``backends_services.namespace``); the trial owns DATABASE_URL's tables.
@@ -20,7 +21,9 @@ usual work.
 **lateness**: relay in this process, a worker (``Worker(concurrency=8)``)
 in a spawned process, and a producer process that schedules the next 0.1 s
 worth of jobs every 0.1 s, due 2 s ahead and evenly spaced.  The handler
-records ``time.time()`` first thing; lateness = that − ``due_at``.
+records ``time.time()`` first thing; lateness = that − ``due_at``.  NEAR
+(optional) is the relay's ``near_window``: 0 hands every job to the
+broker's own delay instead of publishing it just before due.
 """
 
 from __future__ import annotations
@@ -55,21 +58,23 @@ PROFILE_ENV = backends_profile.PROFILE_ENV
 FLOOR_N = 20_000  # jobs for the PostgreSQL claim + mark ceiling
 
 
-def due_times(backend: str, n: int, now: datetime) -> list[datetime]:
+def due_times(backend: str, n: int, now: datetime, min_delay: float = 1.0) -> list[datetime]:
     """Due times for the relay trial.
 
     redis: 5 minutes ahead, so every message is parked in the sorted set
     (the ZADD path the raw baseline measures).  amqp: log-uniform from 1 s to
     30 days, so the tier topology holds delays of every magnitude (its queue
-    count and memory are read afterwards).  sqs and kafka: already due
-    (kafka has no native delay; an SQS delay would add the broker's
-    send-time alignment, which the raw SendMessageBatch does not have).
+    count and memory are read afterwards); ``min_delay`` raises the low end
+    (bench/amqp_delays.py: an hour, so all of them are still pending after).
+    sqs and kafka: already due (kafka has no native delay; an SQS delay would
+    add the broker's send-time alignment, which the raw SendMessageBatch does
+    not have).
     """
     if backend == "redis":
         return [now + timedelta(minutes=5)] * n
     if backend == "amqp":
         rng = random.Random(7)
-        low, high = math.log(1.0), math.log(30 * 86400.0)
+        low, high = math.log(min_delay), math.log(30 * 86400.0)
         return [now + timedelta(seconds=math.exp(rng.uniform(low, high))) for _ in range(n)]
     return [now - timedelta(seconds=1)] * n
 
@@ -83,15 +88,16 @@ def load(app: duebox.Duebox, dues: list[datetime]) -> None:
     trials.settle(app)
 
 
-async def time_relay(app: duebox.Duebox, backend: str, n: int) -> dict[str, Any]:
+async def time_relay(app: duebox.Duebox, backend: str, n: int,
+                     min_delay: float) -> dict[str, Any]:
     """One job through a first pass (queue/topic declared, first-use
     reconciliation done, connections up), then ``n`` jobs timed."""
     relay = Relay(app, broker=app.broker("bench-relay"), batch_size=trials.BATCH)
     await relay.broker.open()
-    load(app, due_times(backend, 1, datetime.now(UTC)))
+    load(app, due_times(backend, 1, datetime.now(UTC), min_delay))
     await relay.run_pass()
     assert relay.totals.marked == 1, f"warm-up pass: {relay.totals}"
-    load(app, due_times(backend, n, datetime.now(UTC)))
+    load(app, due_times(backend, n, datetime.now(UTC), min_delay))
     check_reachable(app.engine)
     with backends_profile.sampling(os.environ.get(PROFILE_ENV)):
         cpu, t0 = time.process_time(), time.perf_counter()
@@ -108,13 +114,13 @@ async def time_relay(app: duebox.Duebox, backend: str, n: int) -> dict[str, Any]
 
 
 def relay_trial(backend: str, db_url: str, broker_url: str, n: int,
-                raw_first: bool) -> dict[str, Any]:
+                raw_first: bool, min_delay: float = 1.0) -> dict[str, Any]:
     out: dict[str, Any] = {"n": n}
 
     def run_relay() -> None:
         trials.fresh_schema(db_url)
         app = trials.make_app(db_url, broker_url)
-        out["relay"] = asyncio.run(time_relay(app, backend, n))
+        out["relay"] = asyncio.run(time_relay(app, backend, n, min_delay))
         app.dispose()
 
     def run_raw() -> None:
@@ -189,7 +195,7 @@ async def _wait(flag: Any, limit: float, what: str) -> None:
 
 
 async def run_lateness(app: duebox.Duebox, db_url: str, broker_url: str, rate: float,
-                       seconds: float) -> dict[str, Any]:
+                       seconds: float, relay_kw: dict[str, Any]) -> dict[str, Any]:
     total = int(rate * seconds)
     ctx = multiprocessing.get_context("spawn")
     warm, done, stop = ctx.Event(), ctx.Event(), ctx.Event()
@@ -197,7 +203,7 @@ async def run_lateness(app: duebox.Duebox, db_url: str, broker_url: str, rate: f
     worker = ctx.Process(target=work, args=(db_url, broker_url, total, warm, done, stop, send))
     worker.start()
     halt = asyncio.Event()
-    relay = Relay(app)
+    relay = Relay(app, **relay_kw)
     relaying = asyncio.create_task(relay.run(halt))
     producer = None
     cpu = time.process_time()
@@ -242,12 +248,13 @@ async def run_lateness(app: duebox.Duebox, db_url: str, broker_url: str, rate: f
     }
 
 
-def lateness_trial(db_url: str, broker_url: str, rate: float, seconds: float) -> dict[str, Any]:
+def lateness_trial(db_url: str, broker_url: str, rate: float, seconds: float,
+                   relay_kw: dict[str, Any]) -> dict[str, Any]:
     trials.fresh_schema(db_url)
     app = trials.make_app(db_url, broker_url)
     app.task("warm")(trials.noop)
     check_reachable(app.engine)
-    result = asyncio.run(run_lateness(app, db_url, broker_url, rate, seconds))
+    result = asyncio.run(run_lateness(app, db_url, broker_url, rate, seconds, relay_kw))
     app.dispose()
     return result
 
@@ -256,10 +263,12 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING)
     kind, backend, db_url, broker_url, *rest = argv
     if kind == "relay":
+        min_delay = float(rest[rest.index("--min-delay") + 1]) if "--min-delay" in rest else 1.0
         result = relay_trial(backend, db_url, broker_url, int(rest[0]),
-                             raw_first="--raw-first" in rest)
+                             raw_first="--raw-first" in rest, min_delay=min_delay)
     elif kind == "lateness":
-        result = lateness_trial(db_url, broker_url, float(rest[0]), float(rest[1]))
+        relay_kw = {"near_window": float(rest[2])} if len(rest) > 2 else {}
+        result = lateness_trial(db_url, broker_url, float(rest[0]), float(rest[1]), relay_kw)
     else:
         raise SystemExit(f"unknown trial {kind!r}")
     print(json.dumps(result))

@@ -44,8 +44,8 @@ from duebox import migrate
 from duebox.brokers.base import Outgoing, PublishResult
 from duebox.brokers.redis import RedisBroker
 from duebox.consumers import Worker
+from duebox.dispatch_policy import DispatchPolicy
 from duebox.relay import Relay
-from duebox.relay.fairness import DispatchPolicy
 from duebox.tables import job
 
 PG = os.environ.get("DUEBOX_BENCH_PG", "postgresql+psycopg://127.0.0.1:5432/postgres")

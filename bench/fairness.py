@@ -49,8 +49,8 @@ from duebox.brokers.base import (
     PublishResult,
 )
 from duebox.brokers.memory import MemoryBroker
+from duebox.dispatch_policy import DispatchPolicy
 from duebox.relay import Relay
-from duebox.relay.fairness import DispatchPolicy
 from duebox.tables import job
 
 PG = os.environ.get("DUEBOX_BENCH_PG", "postgresql+psycopg://127.0.0.1:5432/postgres")
@@ -126,7 +126,7 @@ async def flood(url: str, mode: str, rate: float, seconds: float) -> dict[str, A
         clock.advance(STEP)
         if mode == "due-order":  # one bounded batch a pass: the same throughput
             owner = f"{relay.name}#{uuid.uuid4().hex[:6]}"
-            from duebox.relay.relay import PassStats
+            from duebox.relay import PassStats
 
             await relay._publish(relay._claim(owner), owner, PassStats())
         else:

@@ -41,7 +41,7 @@ from duebox.tables import job
 BATCH = 500
 LOAD_CHUNK = 1000  # jobs per app.schedule_many call while loading
 
-# Columns the relay's claim returns (jobstore._ROW_COLUMNS), for the raw baseline.
+# Columns the relay's claim returns (duebox.records.ROW_COLUMNS), for the raw baseline.
 ROW_COLUMNS = (
     "id, task, queue, payload, headers, due_at, version, attempt, max_attempts, priority, "
     "tenant, key, expires_at, lease_owner, lease_generation, checkpoint"

@@ -41,16 +41,19 @@ from .amqp_link import (
     Publisher,
     chan_code,
     describe,
+    pika_logs_without,
     pika_parameters,
     properties,
 )
 from .amqp_settings import OWN_PARAMS, AMQPSettings, topology_of
-from .amqp_topology import MAX_DELAY_MS, check_queue_name, delay_ms, tier_at
+from .amqp_topology import MAX_DELAY_MS, ExchangeDecl, check_queue_name, delay_ms, tier_at
 from .base import (
     HANDOVER_LEAD,
     BrokerContext,
     Capabilities,
     Delivery,
+    Durability,
+    Ordering,
     Outgoing,
     PublishingBroker,
     PublishResult,
@@ -59,7 +62,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from duebox.jobstore import EnqueuedRef
+    from duebox.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.amqp")
 
@@ -77,11 +80,13 @@ class AMQPBroker(PublishingBroker):
         max_delay=MAX_DELAY_MS / 1000,
         delay_precision=0.001,
         cancel=False,
-        ordering="per queue in visibility order; messages due within a few ms of each "
-                 "other may swap (each tier stop adds about 1 ms)",
-        durability="durable queues, persistent messages, publisher confirms; a classic "
-                   "queue dead-letters between tiers at most once (quorum: at least once); "
-                   "the job table republishes anything lost after redeliver_after",
+        ordering=Ordering.DUE,
+        ordering_note="per queue in visibility order; messages due within a few ms of each "
+                      "other may swap (each tier stop adds about 1 ms)",
+        durability=Durability.BROKER,
+        durability_note="durable queues, persistent messages, publisher confirms; a classic "
+                        "queue dead-letters between tiers at most once (quorum: at least once); "
+                        "the job table republishes anything lost after redeliver_after",
         payload_limit=PAYLOAD_LIMIT,
         redelivers_unacked=True,
         publish_lead=HANDOVER_LEAD,  # TTL tiers are coarse: the relay holds the last seconds
@@ -97,6 +102,7 @@ class AMQPBroker(PublishingBroker):
         self.confirm_timeout = self.settings.confirm_timeout
         self.pika_params = pika_parameters(url, context.worker_name, OWN_PARAMS)
         self.plugin: bool | None = self.settings.plugin
+        self._why = f"delay_mode={self.mode}"  # why this mode: the connected line says it
         self._lock = asyncio.Lock()
         self._link: Link | None = None
         self._admin: Channel | None = None
@@ -148,26 +154,33 @@ class AMQPBroker(PublishingBroker):
                     hint = " (delay_mode=plugin needs rabbitmq_delayed_message_exchange)"
                 raise BrokerError(f"declaring the RabbitMQ topology failed: {exc}{hint}") from exc
             self._link, self._admin = link, admin
-            log.info("connected to RabbitMQ %s:%s vhost %r (%s delays)", self.pika_params.host,
-                     self.pika_params.port, self.pika_params.virtual_host,
-                     "plugin" if self.plugin else "tier")
+            log.info("connected to RabbitMQ %s:%s vhost %r: %s delays (%s)",
+                     self.pika_params.host, self.pika_params.port,
+                     self.pika_params.virtual_host, "plugin" if self.plugin else "tier",
+                     self._why)
             return link
 
     async def _detect_plugin(self) -> bool:
         """Declare the delayed exchange on a throwaway connection: RabbitMQ
-        closes the whole connection (503) when the exchange type is unknown."""
+        closes the whole connection (503) when the exchange type is unknown.
+        That answer is expected here, so pika's record of it is held back:
+        the connected line says which mode is in use and why."""
+        ops = self.topology.plugin_ops()
+        types = [op.type for op in ops if isinstance(op, ExchangeDecl)]
         probe = await Link.connect(self.pika_params)
-        try:
-            chan = await probe.channel()
-            await chan.apply(self.topology.plugin_ops())
-        except BrokerError as exc:
-            if probe.close_code == 503 or chan_code(exc) == 503:
-                log.info("no x-delayed-message plugin on the broker: using delay tiers")
-                return False
-            raise
-        finally:
-            await probe.close()
-        log.info("x-delayed-message plugin found: using it for delays")
+        with pika_logs_without("unknown exchange type", types[0]):
+            try:
+                chan = await probe.channel()
+                await chan.apply(ops)
+            except BrokerError as exc:
+                if probe.close_code == 503 or chan_code(exc) == 503:
+                    self._why = (f"auto: the broker has no {types[0]!r} exchange type, "
+                                 "i.e. no rabbitmq_delayed_message_exchange plugin")
+                    return False
+                raise
+            finally:
+                await probe.close()
+        self._why = "auto: the broker has the rabbitmq_delayed_message_exchange plugin"
         return True
 
     async def _admin_channel(self) -> Channel:

@@ -19,70 +19,27 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
-from duebox.clock import Clock
-from duebox.errors import BrokerError, MessageDecodeError, ValidationError
+from duebox.errors import BrokerError, MessageDecodeError
 from duebox.message import JobMessage
 from duebox.registry import effective_max_delay
+from duebox.seam import (
+    BrokerContext,
+    Capabilities,
+    Durability,
+    Ordering,
+    Outgoing,
+    PublishResult,
+    refused,
+)
+from duebox.timing import HANDOVER_LEAD
 
 log = logging.getLogger("duebox.broker")
-
-# How long before its due time a backend without a precise delay of its own
-# hands a job over: Kafka and RabbitMQ (``Capabilities.publish_lead``: the
-# relay publishes this early) and Redis (its mover moves a parked job onto
-# the stream this early).  The delivery and the worker's version-checked
-# start fit in it; the worker holds the handler to the due time, so nothing
-# runs early, and reads the job again just before, so a cancel still wins.
-# At 100 jobs/s (bench/backends_trials.py lateness) leads of 2-5 ms started
-# jobs 1.6-8 ms late at p50; 30 ms: p50 0.3-0.4 ms, p99 0.8-3 ms.
-HANDOVER_LEAD = 0.030
 
 if TYPE_CHECKING:
     import uuid
 
-    from sqlalchemy import Engine
-
-    from duebox.config import Settings
-    from duebox.jobstore import EnqueuedRef, JobRecord
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend guarantees, stated as data.
-
-    ``max_delay``: longest native delay in seconds (``None``: unbounded, 0:
-    none — the relay holds near-due jobs and publishes each at its due time).
-    ``delay_precision``: the granularity of that delay; the relay rounds up to
-    it so nothing becomes visible early.  ``direct_claim``: workers claim due
-    rows from the job table themselves and the relay publishes nothing (the
-    backend is a :class:`Broker`; the others are a :class:`PublishingBroker`).
-    ``publish_lead``: set where the broker's own delay is too coarse (or
-    absent) for a precise hand-over: the relay holds near-due jobs in memory
-    (still leased) and publishes each this many seconds before its due time,
-    with no delay; the worker waits out the rest.  ``None``: near-due jobs go
-    through the broker's delay like any other.
-    """
-
-    name: str
-    max_delay: float | None
-    delay_precision: float
-    cancel: bool
-    ordering: str
-    durability: str
-    payload_limit: int | None
-    redelivers_unacked: bool
-    in_flight_after_cancel: str
-    direct_claim: bool = False
-    publish_lead: float | None = None
-
-
-@dataclass(frozen=True)
-class BrokerContext:
-    """What a backend may use from the application around it."""
-
-    engine: Engine
-    clock: Clock
-    settings: Settings
-    worker_name: str = "worker"
+    from duebox.records import JobRecord
+    from duebox.recovery import EnqueuedRef
 
 
 @dataclass
@@ -119,34 +76,6 @@ def delivery_from_body(body: bytes | str, raw: Any = None, *, max_bytes: int | N
         return Delivery(message=None, raw=raw,
                         decode_error=f"body: cannot be decoded ({type(exc).__name__}: {exc})"[:300],
                         **kw)
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    """``error``: the broker's reason when not ``ok``.  ``permanent``: the
-    broker will refuse this message every time (a queue name it cannot use,
-    a message over its size limit): the relay counts it as a failed attempt
-    of the job, which ends DEAD with the reason, instead of publishing it
-    again forever."""
-
-    job_id: Any
-    ok: bool
-    broker_message_id: str | None = None
-    error: str | None = None
-    permanent: bool = False
-
-
-def refused(job_id: Any, exc: ValidationError) -> PublishResult:
-    """The result of a message a backend refuses for good."""
-    return PublishResult(job_id, False, error=str(exc), permanent=True)
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """A message and the delay (seconds, already clipped and rounded) to give it."""
-
-    message: JobMessage
-    delay: float
 
 
 class Broker(abc.ABC):
@@ -304,3 +233,22 @@ async def open_broker(broker: Broker, stop: asyncio.Event) -> bool:
 
 def parse_params(url: str) -> dict[str, str]:
     return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+
+
+# The seam's shared types (core/seam.py) are re-exported: backends and users
+# import them from here.
+__all__ = [
+    "HANDOVER_LEAD",
+    "Broker",
+    "BrokerContext",
+    "Capabilities",
+    "Delivery",
+    "Durability",
+    "Ordering",
+    "Outgoing",
+    "PublishResult",
+    "delivery_from_body",
+    "open_broker",
+    "parse_params",
+    "refused",
+]

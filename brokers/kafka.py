@@ -56,6 +56,8 @@ from .base import (
     BrokerContext,
     Capabilities,
     Delivery,
+    Durability,
+    Ordering,
     Outgoing,
     PublishingBroker,
     PublishResult,
@@ -78,7 +80,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("aiokafka", "kafka") from exc
 
 if TYPE_CHECKING:
-    from duebox.jobstore import EnqueuedRef
+    from duebox.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.kafka")
 
@@ -113,14 +115,16 @@ class KafkaBroker(PublishingBroker):
         max_delay=0.0,
         delay_precision=0.001,
         cancel=False,
-        ordering="per partition: jobs with the same ordering_key header (else the job id) "
-                 "are published by a relay in due-time order and read in that order by the "
-                 "one consumer that owns the partition; with concurrency > 1 their handlers "
-                 "overlap, and a redelivery comes again after later messages",
-        durability="acks=all to the in-sync replicas (min.insync.replicas decides how "
-                   "many), idempotent producer; offsets committed only after handlers "
-                   "finished; a wiped or truncated topic is noticed and its jobs published "
-                   "again",
+        ordering=Ordering.PER_PARTITION,
+        ordering_note="per partition: jobs with the same ordering_key header (else the job id) "
+                      "are published by a relay in due-time order and read in that order by the "
+                      "one consumer that owns the partition; with concurrency > 1 their handlers "
+                      "overlap, and a redelivery comes again after later messages",
+        durability=Durability.BROKER,
+        durability_note="acks=all to the in-sync replicas (min.insync.replicas decides how "
+                        "many), idempotent producer; offsets committed only after handlers "
+                        "finished; a wiped or truncated topic is noticed and its jobs published "
+                        "again",
         payload_limit=1024 * 1024,
         redelivers_unacked=True,
         publish_lead=HANDOVER_LEAD,  # no delay at all: the relay holds jobs until due

@@ -54,13 +54,15 @@ from duebox.errors import (
     ValidationError,
 )
 from duebox.logs import CollapsedLog
+from duebox.waiting import wait_any
 
 from . import redis_scripts as scripts
-from ._waiting import wait_any
 from .base import (
     BrokerContext,
     Capabilities,
     Delivery,
+    Durability,
+    Ordering,
     Outgoing,
     PublishingBroker,
     PublishResult,
@@ -76,7 +78,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("redis", "redis") from exc
 
 if TYPE_CHECKING:
-    from duebox.jobstore import EnqueuedRef
+    from duebox.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.redis")
 
@@ -93,9 +95,11 @@ class RedisBroker(PublishingBroker):
         max_delay=3600.0,
         delay_precision=0.001,
         cancel=True,
-        ordering="by due time, ties by job id, within a queue; concurrent workers interleave",
-        durability="Redis's own: none without AOF; the database is the source of truth and "
-                   "the relay's reconciliation publishes again what Redis lost",
+        ordering=Ordering.DUE,
+        ordering_note="by due time, ties by job id, within a queue; concurrent workers interleave",
+        durability=Durability.BROKER,
+        durability_note="Redis's own: none without AOF; the database is the source of truth and "
+                        "the relay's reconciliation publishes again what Redis lost",
         payload_limit=512 * 1024 * 1024,
         redelivers_unacked=True,
         in_flight_after_cancel="broker.cancel() removes a parked or unread entry; one already "

@@ -20,9 +20,9 @@ from typing import Any
 from duebox.clock import Clock
 from duebox.errors import MissingDependencyError
 from duebox.logs import CollapsedLog
+from duebox.timing import HANDOVER_LEAD
+from duebox.waiting import wait_any
 
-from ._waiting import wait_any
-from .base import HANDOVER_LEAD
 from .redis_settings import Keys
 
 try:

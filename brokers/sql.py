@@ -26,15 +26,24 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from duebox import jobstore
+from duebox import claims, jobstore
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import ConfigurationError, DatabaseError
 from duebox.fair_claim import DispatchPolicy, FairPicker
 from duebox.holding import Hold
+from duebox.timing import SQL_HANDOVER_LEAD
+from duebox.waiting import wait_any
 
 from ._common import number
-from ._waiting import wait_any
-from .base import Broker, BrokerContext, Capabilities, Delivery, parse_params
+from .base import (
+    Broker,
+    BrokerContext,
+    Capabilities,
+    Delivery,
+    Durability,
+    Ordering,
+    parse_params,
+)
 
 # Claimed jobs a worker may hold (due or not): a lookahead's worth at the rate
 # a worker runs them, few enough that one worker does not hoard what an idle
@@ -44,8 +53,6 @@ _HOLD_LIMIT = 1_024
 # and a claim of hundreds kept due jobs waiting for the event loop for tens
 # of milliseconds; several smaller claims interleave with the hand-offs.
 _CLAIM_MOST = 64
-# A claimed job is handed to the worker this long before its due time.
-_HAND_OVER_LEAD = timedelta(milliseconds=5)
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,10 @@ class SQLBroker(Broker):
         max_delay=None,
         delay_precision=0.001,
         cancel=True,
-        ordering="due time, then id, within each claim; concurrent workers interleave",
-        durability="the database's: committed jobs survive any process crash",
+        ordering=Ordering.DUE,
+        ordering_note="due time, then id, within each claim; concurrent workers interleave",
+        durability=Durability.DATABASE,
+        durability_note="the database's: committed jobs survive any process crash",
         payload_limit=None,
         redelivers_unacked=True,
         in_flight_after_cancel="nothing is in flight: a cancelled row is never claimed",
@@ -115,7 +124,7 @@ class SQLBroker(Broker):
                 # Handed over a moment before the due time: the worker reads
                 # the job again (a cancel must win) and holds the handler to
                 # the due time itself, so the round trip is done by then.
-                while (c := held.take(self.context.clock.now() + _HAND_OVER_LEAD)) is not None:
+                while (c := held.take(self.context.clock.now() + SQL_HANDOVER_LEAD)) is not None:
                     self._in_flight += 1
                     yield Delivery(message=c.record.to_message(), claimed=c.record,
                                    claimed_at=c.at)
@@ -124,7 +133,7 @@ class SQLBroker(Broker):
                     return
                 fresh.clear()
                 earliest = held.earliest()
-                now = self.context.clock.now() + _HAND_OVER_LEAD
+                now = self.context.clock.now() + SQL_HANDOVER_LEAD
                 wait = (earliest - now).total_seconds() if earliest is not None else poll
                 await wait_any(wait, fresh)
         finally:
@@ -195,7 +204,7 @@ class SQLBroker(Broker):
             if self.fair is not None:
                 ids = self.fair.pick(conn, horizon=now + ahead, after=None, now=now,
                                      limit=limit, queues=queues or None)
-            records = jobstore.claim_for_run(
+            records = claims.claim_for_run(
                 conn, owner=owner, now=now, limit=limit, horizon=now + ahead,
                 lease_until=now + ahead + timedelta(seconds=ctx.settings.lease_seconds),
                 queues=queues or None, worker=ctx.worker_name, ids=ids,
@@ -206,7 +215,7 @@ class SQLBroker(Broker):
                 # Due jobs wait for tokens: sleep until a bucket refills, not
                 # a busy loop on the next due time (already past).
                 return records, self.fair.last.wait
-            due = jobstore.next_due(conn)
+            due = claims.next_due(conn)
         if due is None:
             return records, float("inf")
         # Woken when the next due time is half a lookahead away, not a whole

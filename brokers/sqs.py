@@ -65,6 +65,8 @@ from .base import (
     BrokerContext,
     Capabilities,
     Delivery,
+    Durability,
+    Ordering,
     Outgoing,
     PublishResult,
     refused,
@@ -79,7 +81,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("boto3", "sqs") from exc
 
 if TYPE_CHECKING:
-    from duebox.jobstore import EnqueuedRef
+    from duebox.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.sqs")
 
@@ -108,11 +110,13 @@ class SQSBroker(SQSQueues):
         max_delay=float(MAX_DELAY_SECONDS),
         delay_precision=1.0,
         cancel=False,
-        ordering="none: standard queues deliver in roughly but not strictly visibility "
-                 "order, and may deliver a message twice",
-        durability="SQS's: stored redundantly before SendMessageBatch returns; kept "
-                    "14 days (MessageRetentionPeriod) until deleted; a deleted and "
-                    "recreated queue is detected and its jobs are published again",
+        ordering=Ordering.NONE,
+        ordering_note="none: standard queues deliver in roughly but not strictly visibility "
+                      "order, and may deliver a message twice",
+        durability=Durability.BROKER,
+        durability_note="SQS's: stored redundantly before SendMessageBatch returns; kept "
+                         "14 days (MessageRetentionPeriod) until deleted; a deleted and "
+                         "recreated queue is detected and its jobs are published again",
         payload_limit=256 * 1024,
         redelivers_unacked=True,
         in_flight_after_cancel="waits out its DelaySeconds in SQS, then is delivered and "
@@ -125,9 +129,10 @@ class SQSBroker(SQSQueues):
         if s.fifo:
             caps = replace(
                 caps, name="sqs-fifo", max_delay=0.0, delay_precision=0.001,
-                ordering="per message group (the job's ordering_key header, else its id): "
-                         "in publish order, which the relay makes due-time order; one "
-                         "message of a group in flight at a time",
+                ordering=Ordering.PER_GROUP,
+                ordering_note="per message group (the job's ordering_key header, else its id): "
+                              "in publish order, which the relay makes due-time order; one "
+                              "message of a group in flight at a time",
                 in_flight_after_cancel="nothing is in flight before the due time (FIFO "
                                        "jobs are published when due); a message already "
                                        "published is discarded by the version check")

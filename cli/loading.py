@@ -9,18 +9,23 @@ import sys
 import click
 
 from duebox import Duebox
+from duebox.db import check_tables
 from duebox.errors import ConfigurationError
 
 
 def load_app(spec: str | None, database_url: str | None = None,
-             broker_url: str | None = None) -> Duebox:
+             broker_url: str | None = None, *, tables: bool = True) -> Duebox:
     """``module:attr`` (attr may be a Duebox or a zero-argument factory); without
-    a spec, an app built from the ``DUEBOX_*`` environment."""
+    a spec, an app built from the ``DUEBOX_*`` environment.  With ``tables``
+    (every command but ``db``), a database without duebox's tables is refused
+    before anything else is read, and a missing SQLite file is not created."""
     app = _import(spec) if spec else Duebox.from_env()
     app.configure(database_url=database_url, broker_url=broker_url)
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
         ctx.call_on_close(app.dispose)
+    if tables:
+        check_tables(app.engine, ctx.command_path.removeprefix("duebox ") if ctx else "duebox")
     return app
 
 

@@ -11,30 +11,35 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from urllib.parse import urlsplit
 
 import click
 from sqlalchemy.orm import Session
 
 from duebox import Duebox, DueboxError, migrate
+from duebox.config import redacted
 from duebox.ids import parse_job_id
 from duebox.states import JobState
-from duebox.values import shown
 
-from .dlq_cmd import register as register_dlq
+from .dashboard_cmd import dashboard
+from .dlq_cmd import dlq_group
 from .loading import load_app
 from .options import TEXT, F, app_options, errors_as_messages, operator_options
+from .schedules_cmd import schedules
 
 
 @click.group(context_settings={"auto_envvar_prefix": "DUEBOX", "show_default": True})
 @click.option("--log-level", envvar="DUEBOX_LOG_LEVEL", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="[env DUEBOX_LOG_LEVEL]")
+@click.option("--log-format", envvar="DUEBOX_LOG_FORMAT", default="text", show_default=True,
+              type=click.Choice(["text", "json"], case_sensitive=False),
+              help="json: one JSON object per line. [env DUEBOX_LOG_FORMAT]")
 @click.version_option(package_name="duebox")
-def cli(log_level: str) -> None:
+def cli(log_level: str, log_format: str) -> None:
     """duebox: durable delayed dispatch on the broker you already run."""
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from duebox.logformat import configure
+
+    configure(log_level, log_format.lower())
 
 
 def metrics_options(fn: F) -> F:
@@ -74,9 +79,7 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
 
     app = load_app(app_spec, database_url, broker_url)
     app.configure(batch_size=batch_size, poll_interval=poll_interval)
-    r = Relay(app)
-    click.echo(f"relay {r.name}: {_redact(app.settings.database_url)} -> "
-               f"{_redact(app.settings.broker_url)}", err=True)
+    r = Relay(app)  # it logs one line when it starts and one when it stops
     _serve_metrics(metrics_port, metrics_host)
     run_until_signalled(r.run)
 
@@ -107,8 +110,7 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     if not app.tasks:
         raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
     w = Worker(app, queues=list(queues) or None, concurrency=concurrency,
-               group_commit=group_commit)
-    click.echo(f"worker {w.name}: queues {', '.join(w.queues)}", err=True)
+               group_commit=group_commit)  # one line when it starts, one when it stops
     _serve_metrics(metrics_port, metrics_host)
     run_until_signalled(w.run)
 
@@ -122,7 +124,8 @@ def db() -> None:
 @app_options
 def db_upgrade(app_spec: str | None, database_url: str | None, broker_url: str | None) -> None:
     """Create or upgrade the tables to the newest revision."""
-    app = load_app(app_spec, database_url, broker_url)
+    logging.getLogger("alembic").setLevel(logging.INFO)  # each revision it runs
+    app = load_app(app_spec, database_url, broker_url, tables=False)
     migrate.upgrade(app.engine)
     click.echo(f"database at revision {migrate.current_revision(app.engine)}")
 
@@ -131,8 +134,13 @@ def db_upgrade(app_spec: str | None, database_url: str | None, broker_url: str |
 @app_options
 def db_current(app_spec: str | None, database_url: str | None, broker_url: str | None) -> None:
     """Print the database's revision and the newest one."""
-    app = load_app(app_spec, database_url, broker_url)
-    click.echo(f"current {migrate.current_revision(app.engine)}  head {migrate.head_revision()}")
+    from duebox.db import missing_sqlite_file
+
+    app = load_app(app_spec, database_url, broker_url, tables=False)
+    missing = missing_sqlite_file(app.settings.database_url)  # not created by asking
+    current = None if missing else migrate.current_revision(app.engine)
+    click.echo(f"current {current}  head {migrate.head_revision()}"
+               + (f"  (no database file at {missing})" if missing else ""))
 
 
 @cli.group()
@@ -145,32 +153,43 @@ def jobs() -> None:
 @click.option("--state", default=None, help="Only jobs in this state.",
               type=click.Choice([s.value for s in JobState], case_sensitive=False))
 @click.option("--queue", default=None, type=TEXT, help="Only jobs of this queue.")
+@click.option("--task", default=None, type=TEXT, help="Only jobs of this task.")
+@click.option("--key", "key_prefix", default=None, type=TEXT,
+              help="Only jobs whose business key starts with this.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | None,
-              state: str | None, queue: str | None, limit: int) -> None:
+              state: str | None, queue: str | None, task: str | None, key_prefix: str | None,
+              limit: int, as_json: bool) -> None:
     """The latest jobs by due time."""
-    from .inspect_jobs import list_jobs
+    from duebox.inspect import JobFilter, list_jobs
+
+    from .inspect_jobs import LIST_HEAD, list_json, list_line
 
     app = load_app(app_spec, database_url, broker_url)
-    rows = list_jobs(app.engine, state, queue, limit)
-    click.echo(f"{'id':<36}  {'state':<11} {'due (UTC)':<23} {'task':<20} att ver key")
+    rows = list_jobs(app.engine, JobFilter(state, queue, task, key_prefix, limit))
+    if as_json:
+        for r in rows:
+            click.echo(json.dumps(list_json(r), sort_keys=True))
+        return
+    click.echo(LIST_HEAD)
     for r in rows:
-        due = r.due_at.isoformat(timespec="milliseconds")[:23]
-        click.echo(f"{r.id!s:<36}  {r.state:<11} {due:<23} {shown(r.task):<20} {r.attempt:>3} "
-                   f"{r.version:>3} {shown(r.key or '')}")
+        click.echo(list_line(r))
 
 
 @jobs.command("show")
 @app_options
-@click.argument("job_id")
+@click.argument("job", type=TEXT)
 def jobs_show(app_spec: str | None, database_url: str | None, broker_url: str | None,
-              job_id: str) -> None:
-    """A job's timeline, attempts, audit rows and where it is now."""
+              job: str) -> None:
+    """A job's timeline, attempts, audit rows and where it is now.
+
+    JOB is its id, its business key, or the start of its id as `jobs list`
+    prints it."""
     from .inspect_jobs import show_job
 
     app = load_app(app_spec, database_url, broker_url)
-    scheme = urlsplit(app.settings.broker_url).scheme
-    click.echo(show_job(app.engine, parse_job_id(job_id, "JOB_ID"), scheme, app.clock.now()))
+    click.echo(show_job(app, job, app.clock.now()))
 
 
 @jobs.command("cancel")
@@ -199,13 +218,21 @@ def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str 
               help="Start lateness over jobs started in the last WINDOW seconds.")
 @click.option("--max-due-age", type=click.FloatRange(min=0), default=60.0,
               help="An oldest due job older than this is a problem.")
+@click.option("--degraded-ok", is_flag=True,
+              help="Exit 0 when degraded (warnings only), e.g. for a liveness probe.")
 def status(app_spec: str | None, database_url: str | None, broker_url: str | None,
            as_json: bool, watch: float | None, iterations: int | None, window: float,
-           max_due_age: float) -> None:
-    """Is it healthy? Backlog, in flight, DLQ, lateness and live processes."""
+           max_due_age: float, degraded_ok: bool) -> None:
+    """Is it healthy? Backlog, in flight, DLQ, lateness and live processes.
+
+    Exit status (for probes and cron alerts): 0 healthy, 3 degraded (warnings
+    only), 4 unhealthy, 1 when the status could not be read (no database, no
+    tables), 2 on a usage error. With --watch, the last report's."""
     import time
 
-    from .status_view import build_report, render
+    from duebox.inspect_status import Verdict, build_report
+
+    from .status_view import render
 
     app = load_app(app_spec, database_url, broker_url)
     shown = 0
@@ -214,14 +241,17 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
                               max_due_age=max_due_age)
         if watch is not None and not as_json:
             click.clear()
-        click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
+        click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True) if as_json
+                   else render(report))
         shown += 1
         if watch is None or (iterations is not None and shown >= iterations):
-            return
+            break
         try:
             time.sleep(watch)
         except KeyboardInterrupt:
-            return
+            break
+    ok = report.verdict is Verdict.HEALTHY or (degraded_ok and report.verdict is Verdict.DEGRADED)
+    click.get_current_context().exit(0 if ok else report.verdict.exit_code)
 
 
 @cli.command()
@@ -242,7 +272,7 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
     logging.getLogger().setLevel(logging.WARNING)
     app = Duebox(database_url=database_url, broker_url=broker_url)
     click.echo(f"duebox demo: {n_jobs} jobs due over the next {spread:g} s on "
-               f"{_redact(database_url)} with {broker_url}")
+               f"{redacted(database_url)} with {broker_url}")
     r = run_demo(app, n_jobs, spread, cancels)
     app.dispose()
     click.echo(
@@ -261,14 +291,10 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
                "`duebox dashboard`.")
 
 
-register_dlq(cli)
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
+# The command groups defined in their own modules.
+cli.add_command(dashboard)
+cli.add_command(dlq_group)
+cli.add_command(schedules)
 
 
 def main() -> None:
@@ -277,7 +303,3 @@ def main() -> None:
     except DueboxError as exc:  # pragma: no cover - commands convert their own
         click.echo(f"Error: {exc}", err=True)
         sys.exit(1)
-
-
-# Registers `duebox dashboard` and `duebox schedules`.
-from . import dashboard_cmd, schedules_cmd  # noqa: E402, F401

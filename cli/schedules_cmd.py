@@ -25,7 +25,6 @@ from duebox.schedules import (
 from duebox.values import shown
 
 from .loading import load_app
-from .main import cli
 from .options import app_options, operator_options
 
 
@@ -53,7 +52,7 @@ def _json(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
         raise click.BadParameter(f"must be JSON ({exc})") from None
 
 
-@cli.group()
+@click.group()
 def schedules() -> None:
     """Recurring schedules: cron rules in a time zone that generate jobs."""
 

@@ -9,11 +9,11 @@ import asyncio
 import contextlib
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection
@@ -24,8 +24,11 @@ from duebox import dlq, jobstore
 from duebox.clock import wait_until
 from duebox.db import SQLITE_DEFERRED, db_errors
 from duebox.errors import DatabaseError, LeaseLostError
-from duebox.failures import FailureClass, Verdict
+from duebox.failures import FailureClass, Verdict, bounded_traceback, error_line
 from duebox.ids import uuid7
+from duebox.logs import job_fields, log_traced
+from duebox.masking import masked_text
+from duebox.states import LeaseVerdict
 from duebox.tasks import JobContext, JobControl, Task
 
 from .dedupe import SQLDedupeStore
@@ -80,13 +83,24 @@ class _Duplicate(Exception):
         self.outcome = outcome
 
 
+class RunStatus(StrEnum):
+    """What became of one execution."""
+
+    SUCCEEDED = "succeeded"
+    DUPLICATE = "duplicate"  # its effects were already committed (dedupe): not run twice
+    RETRIED = "retried"
+    DEAD = "dead"
+    LEASE_LOST = "lease_lost"  # another process took the job over: nothing recorded
+    CANCELLED = "cancelled"  # seen before it ran (a job held ahead of its due time)
+    RELEASED = "released"  # the worker is stopping: given back, never started
+
+
 @dataclass
 class Outcome:
     """What became of one execution, for the worker's counters."""
 
-    status: str  # succeeded | duplicate | retried | dead | lease_lost
+    status: RunStatus
     failure_class: FailureClass | None = None
-    retry_in: float | None = None
 
 
 class Execution:
@@ -183,24 +197,23 @@ class Execution:
         except LeaseLostError:
             log.warning("job %s: lease lost before completion; its writes were rolled back",
                         self.rec.id)
-            return Outcome("lease_lost")
+            return Outcome(RunStatus.LEASE_LOST)
         except Exception as exc:
             verdict = self.task.classifier.classify(exc)
-            error = "".join(traceback.format_exception_only(exc)).strip()
-            return await self.pools.db(self.settle, verdict, error)
+            return await self.pools.db(self.settle, verdict, error_line(exc), exc)
 
     def _run_sync(self) -> Outcome:
         engine = self.app.engine.execution_options(**{SQLITE_DEFERRED: True})
         same_transaction = engine.dialect.name == "postgresql"
         if self.check_first and not same_transaction and not still_leased(self.app, [self.rec])[0]:
-            return Outcome("cancelled")
+            return Outcome(RunStatus.CANCELLED)
         with Session(engine) as session, session.begin():
             # Read committed: reading first costs the handler's transaction
             # nothing (elsewhere a snapshot taken this early could keep
             # SQLite's write lock from being granted).
             if (self.check_first and same_transaction
                     and not leases_held(session.connection(), [self.rec])[0]):
-                return Outcome("cancelled")
+                return Outcome(RunStatus.CANCELLED)
             if self.check_first:
                 wait_until(self.app.clock, self.rec.due_at)
             self.started = self.app.clock.now()
@@ -236,15 +249,15 @@ class Execution:
         with db_errors("complete"), self.app.engine.begin() as conn:
             now = self.app.clock.now()
             if conn.execute(*jobstore.complete_bound(self.rec, now)).rowcount != 1:
-                return Outcome("lease_lost")
+                return Outcome(RunStatus.LEASE_LOST)
             conn.execute(jobstore.finish_attempt_stmt(self.rec, now, "duplicate"))
-        return Outcome("duplicate")
+        return Outcome(RunStatus.DUPLICATE)
 
-    def settle(self, verdict: Verdict, error: str) -> Outcome:
+    def settle(self, verdict: Verdict, error: str, exc: BaseException | None = None) -> Outcome:
         """Record the failed attempt and move the job on: retry later, or DEAD."""
         with db_errors("record failure"), self.app.engine.begin() as conn:
             return record_failure(conn, self.task, self.rec, verdict, error,
-                                  self.app.clock.now())
+                                  self.app.clock.now(), exc)
 
     async def _beat(self) -> None:
         """Renew the lease now and every third of it (started a third of the
@@ -271,18 +284,18 @@ def finish_steps(dialect: str, dedupe: SQLDedupeStore, rec: jobstore.JobRecord,
     if dialect == "postgresql":
         claimed, completed, _ = (yield dedupe.claim_and_complete(rec, now)).one()
         if not claimed:
-            return Outcome("duplicate")
+            return Outcome(RunStatus.DUPLICATE)
         if not completed:
             raise LeaseLostError(f"job {rec.id}: lease lost before completion")
-        return Outcome("succeeded")
+        return Outcome(RunStatus.SUCCEEDED)
     first = yield dedupe.claim_bound(dialect, str(rec.id), now)
     if first.rowcount != 1:
-        return Outcome("duplicate")
+        return Outcome(RunStatus.DUPLICATE)
     done = yield jobstore.complete_bound(rec, now)
     if done.rowcount != 1:
         raise LeaseLostError(f"job {rec.id}: lease lost before completion")
     yield jobstore.finish_attempt_bound(rec, now, "succeeded")
-    return Outcome("succeeded")
+    return Outcome(RunStatus.SUCCEEDED)
 
 
 def run_steps(steps: Generator[tuple[Any, dict[str, Any]], Any, Outcome],
@@ -298,7 +311,7 @@ def run_steps(steps: Generator[tuple[Any, dict[str, Any]], Any, Outcome],
 
 
 def _not_duplicate(outcome: Outcome) -> Outcome:
-    if outcome.status == "duplicate":
+    if outcome.status is RunStatus.DUPLICATE:
         # Seen before: this run's writes must not count twice.
         raise _Duplicate(outcome)
     return outcome
@@ -339,7 +352,7 @@ def still_leased(app: Duebox, records: list[jobstore.JobRecord]) -> list[bool]:
 def leases_held(conn: Connection, records: list[jobstore.JobRecord]) -> list[bool]:
     """Per job: still this lease's and this version's?"""
     held = jobstore.lease_states(conn, records)
-    return [held[r.id] == "held" for r in records]
+    return [held[r.id] is LeaseVerdict.HELD for r in records]
 
 
 def job_context(rec: jobstore.JobRecord, session: Any, worker: str,
@@ -353,9 +366,11 @@ def job_context(rec: jobstore.JobRecord, session: Any, worker: str,
 
 
 def record_failure(conn: Connection, task: Task, rec: jobstore.JobRecord, verdict: Verdict,
-                   error: str, now: datetime) -> Outcome:
-    """In ``conn``'s transaction: record the failed attempt and move the job
-    on, fenced by its lease: retry later with a new version, or DEAD."""
+                   error: str, now: datetime, exc: BaseException | None = None) -> Outcome:
+    """In ``conn``'s transaction: record the failed attempt (with the
+    traceback of ``exc``, bounded and masked like the payload) and move the
+    job on, fenced by its lease: retry later with a new version, or DEAD.
+    Logs the failure once, with that traceback."""
     cls = verdict.failure_class
     retry = cls != FailureClass.PERMANENT and rec.attempt < rec.max_attempts
     delay = task.retry.delay_for(rec.attempt, verdict) if retry else None
@@ -366,11 +381,17 @@ def record_failure(conn: Connection, task: Task, rec: jobstore.JobRecord, verdic
         moved = conn.execute(jobstore.dead_stmt(rec, now, cls, error))
     if moved.rowcount != 1:
         log.warning("job %s: failure not recorded, the lease moved on", rec.id)
-        return Outcome("lease_lost", cls)
-    conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", cls, error))
+        return Outcome(RunStatus.LEASE_LOST, cls)
+    tb = masked_text(task, rec.payload, bounded_traceback(exc)) if exc is not None else None
+    conn.execute(jobstore.finish_attempt_stmt(rec, now, "failed", cls, error, tb))
+    # What people read of the error is masked; the job row keeps it whole
+    # (the dashboard and the CLI mask it when they show it).
+    shown = masked_text(task, rec.payload, error)
     if delay is None:
         dlq.quarantine_if_repeated(conn, rec.id, cls, error, now)
-        log.warning("job %s dead after attempt %d (%s): %s", rec.id, rec.attempt, cls, error)
-        return Outcome("dead", cls)
-    log.info("job %s attempt %d failed (%s); retry in %.1fs", rec.id, rec.attempt, cls, delay)
-    return Outcome("retried", cls, delay)
+        log_traced(log, logging.WARNING, tb, "job %s dead after attempt %d (%s): %s", rec.id,
+                   rec.attempt, cls, shown, extra=job_fields(rec))
+        return Outcome(RunStatus.DEAD, cls)
+    log_traced(log, logging.INFO, tb, "job %s attempt %d failed (%s): %s; retry in %.1fs",
+               rec.id, rec.attempt, cls, shown, delay, extra=job_fields(rec))
+    return Outcome(RunStatus.RETRIED, cls)

@@ -55,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import traceback
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -69,10 +68,12 @@ from sqlalchemy.orm import Session
 from duebox import jobstore
 from duebox.clock import Clock, wait_until
 from duebox.db import db_errors
+from duebox.failures import error_line
+from duebox.states import LeaseVerdict
 from duebox.tasks import Task
 
 from .dedupe import SQLDedupeStore
-from .execution import Execution, Outcome, Pools, job_context, record_failure
+from .execution import Execution, Outcome, Pools, RunStatus, job_context, record_failure
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -273,7 +274,7 @@ class Executors:
         self._pending.clear()
         for item in waiting:
             if not item.future.done():
-                item.future.set_result(Outcome("released"))
+                item.future.set_result(Outcome(RunStatus.RELEASED))
         return [item.rec for item in waiting]
 
     def _paced(self, seconds: float) -> None:
@@ -317,7 +318,7 @@ class Executors:
             if (not item.early and item.leased is not None
                     and self.app.clock.now() - item.leased > _REREAD_AFTER
                     and not await self.reread(item.rec)):
-                outcome = Outcome("cancelled")
+                outcome = Outcome(RunStatus.CANCELLED)
             else:
                 item.started = self.app.clock.now()
                 outcome = await execution.run()
@@ -346,11 +347,12 @@ class Executors:
             for item in items:
                 message_id = str(item.rec.id)
                 lease = leases[item.rec.id]
-                if lease != "held":
+                if lease is not LeaseVerdict.HELD:
                     if message_id in fresh:
                         forget.append(message_id)
-                    done.append((item, Outcome("cancelled" if lease == "cancelled"
-                                               else "lease_lost")))
+                    done.append((item, Outcome(RunStatus.CANCELLED
+                                               if lease is LeaseVerdict.CANCELLED
+                                               else RunStatus.LEASE_LOST)))
                 elif message_id not in fresh:
                     duplicates.append(item)
                 elif (succeeded or done) and time.monotonic() - began > _BUDGET:
@@ -374,8 +376,8 @@ class Executors:
                 raise _GroupLost(RuntimeError("the group's dedupe rows are gone"))
             jobstore.complete_locked(conn, [i.rec for i in succeeded], "succeeded", now)
             jobstore.complete_locked(conn, [i.rec for i in duplicates], "duplicate", now)
-        done += [(i, Outcome("succeeded")) for i in succeeded]
-        done += [(i, Outcome("duplicate")) for i in duplicates]
+        done += [(i, Outcome(RunStatus.SUCCEEDED)) for i in succeeded]
+        done += [(i, Outcome(RunStatus.DUPLICATE)) for i in duplicates]
         return done, unrun
 
     def _run_one(self, session: Session, conn: Connection, item: _Item) -> Outcome | None:
@@ -410,9 +412,9 @@ class Executors:
                 # writes of the handlers before this one.
                 raise _GroupLost(exc) from lost
             verdict = item.task.classifier.classify(exc)
-            error = "".join(traceback.format_exception_only(exc)).strip()
             if control.saved is not _UNSET:
                 control.write()
-            return record_failure(conn, item.task, item.rec, verdict, error, clock.now())
+            return record_failure(conn, item.task, item.rec, verdict, error_line(exc),
+                                  clock.now(), exc)
         savepoint.commit()
         return None

@@ -18,15 +18,17 @@ from duebox import jobstore
 from duebox.batched import Batched
 from duebox.db import db_errors
 from duebox.message import JobMessage
+from duebox.states import Discard
 
 from .execution import Pools
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
 
-Started = tuple[jobstore.JobRecord | None, str]
+# The started job's record and None, or None and why it did not start.
+Started = tuple[jobstore.JobRecord | None, Discard | None]
 # Why to discard an early message, or None and its job's due time.
-Checked = tuple[str | None, datetime | None]
+Checked = tuple[Discard | None, datetime | None]
 
 
 class Starts:
@@ -74,7 +76,7 @@ class Starts:
             for message, its_ahead in batch:
                 rec = started.pop(message.job_id, None)
                 if rec is not None:
-                    results.append((rec, "started"))
+                    results.append((rec, None))
                 else:  # also a second copy of a message in the same batch
                     results.append((None, jobstore.why_not_started(
                         conn, message, now + timedelta(seconds=its_ahead))))

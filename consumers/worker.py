@@ -28,15 +28,16 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
-from duebox import jobstore
+from duebox import dispatched, jobstore
 from duebox.batched import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
+from duebox.config import redacted
 from duebox.db import db_errors
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError, ValidationError
 from duebox.failures import FailureClass, Verdict
@@ -46,10 +47,12 @@ from duebox.logs import CollapsedLog, kind_of
 from duebox.message import JobMessage, check_stored_payload
 from duebox.metrics import Metrics, process_metrics, seconds
 from duebox.registry import check_queue_name
+from duebox.states import Discard
 from duebox.tasks import Task
+from duebox.timing import EARLY_HOLD, EXECUTOR_HOLD_MOST, REREAD_LEAD
 
 from .dedupe import SQLDedupeStore
-from .execution import Execution, Outcome, Pools, still_leased, warm_up
+from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
 from .starts import Starts
 from .turns import Turn, Turns
@@ -59,13 +62,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duebox.worker")
 
+# Discards that mean the message was a duplicate of work already done or
+# dropped (the duplicates metric).
+_DUPLICATE_REASONS = frozenset({Discard.STALE_VERSION, Discard.ALREADY_SUCCEEDED,
+                                Discard.ALREADY_RUNNING, Discard.CANCELLED})
+
 # A delivery whose handling failed unexpectedly (the database down) comes back
 # after this long.
 _RETRY_DELIVERY_SECONDS = 5.0
 
-# A message that arrives this close before its due time is held in the
-# worker; further out it goes back to the broker.
-_EARLY_HOLD_SECONDS = 1.0
 # The shortest deferral: a job found not yet due after all is looked at again
 # this much later, not in a tight loop.
 _MIN_DEFER_SECONDS = 0.1
@@ -158,6 +163,9 @@ class Worker:
         # collection no longer stops every thread for tens of milliseconds
         # (a 60 ms stall made four consecutive jobs late at 100 jobs/s).
         gc.freeze()
+        log.info("worker %s started: queues %s on %s, concurrency %d", self.name,
+                 ", ".join(self.queues), redacted(self.app.settings.broker_url),
+                 self.concurrency)
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
         stopper = asyncio.create_task(stop.wait())
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")
@@ -183,6 +191,7 @@ class Worker:
             await self.broker.close()
             self.pools.shutdown()
             self.pools = Pools.default()
+            log.info("worker %s stopped", self.name)
 
     async def _warm_up(self) -> None:
         """Connections for the executors and the per-job statements compiled
@@ -263,15 +272,15 @@ class Worker:
         self._received.inc()
         msg = delivery.message
         if msg is None:
-            reason = delivery.decode_reason
-            self._discard(reason)
-            self._log.warning(f"reject:{reason}", "rejected a message that is not a duebox "
-                              "message (%s): %s", reason, delivery.decode_error)
-            await self.broker.reject(delivery, delivery.decode_error or reason)
+            undecoded = delivery.decode_reason
+            self._discard(undecoded)
+            self._log.warning(f"reject:{undecoded}", "rejected a message that is not a duebox "
+                              "message (%s): %s", undecoded, delivery.decode_error)
+            await self.broker.reject(delivery, delivery.decode_error or undecoded)
             return
         clock = self.app.clock
         early = (msg.due_at - clock.now()).total_seconds()
-        if early > _EARLY_HOLD_SECONDS and delivery.claimed is None:
+        if early > EARLY_HOLD and delivery.claimed is None:
             # Held or deferred only if the job table says it may wait.
             checked = await self._early(delivery, msg)
             if checked is None:
@@ -287,16 +296,16 @@ class Worker:
             # by the due time instead of after it.
             rec, reason = await self.starts.start(msg, max(0.0, early))
             if rec is None:
-                if reason == "not_due":
+                if reason is Discard.NOT_DUE:
                     checked = await self._early(delivery, msg)
                     if checked is not None:  # due by now after all: look again shortly
                         await self._defer(delivery, msg, max(checked, _MIN_DEFER_SECONDS))
-                else:
+                elif reason is not None:  # (never None when no record came back)
                     self._discard(reason)
                     await self.broker.reject(delivery, reason)
                 return
         early = False
-        if obtained is not None and obtained < rec.due_at - _REREAD_LEAD:
+        if obtained is not None and obtained < rec.due_at - REREAD_LEAD:
             # Leased well before its due time: a cancel or a takeover since
             # then must still win, so the job is read again — a round trip
             # before the due time, not after it (the window left is the one
@@ -304,11 +313,11 @@ class Worker:
             # landing there finds the completion fenced and rolls the
             # writes back).
             early = self._checks_in_thread(rec)
-            if not early or rec.due_at - clock.now() > _EXECUTOR_HOLD_MOST:
-                await _hold_until(clock, rec.due_at - _REREAD_LEAD)
+            if not early or rec.due_at - clock.now() > EXECUTOR_HOLD_MOST:
+                await _hold_until(clock, rec.due_at - REREAD_LEAD)
             if not early:
                 if not await self.rereads.call(rec):
-                    self._discard("cancelled")
+                    self._discard(Discard.CANCELLED)
                     await self.broker.ack(delivery)
                     return
                 obtained = clock.now()
@@ -332,7 +341,7 @@ class Worker:
             return
         if rec.expired(clock.now()):
             await self.pools.db(self._expire, rec)
-            self._discard("expired")
+            self._discard(Discard.EXPIRED)
             await self.broker.ack(delivery)
             return
         if turn is not None:
@@ -352,12 +361,12 @@ class Worker:
         seconds until that due time when the job is to be started now."""
         reason, due_at = await self.starts.check_early(msg)
         if reason is not None or due_at is None:
-            reason = reason or "unknown_job"
+            reason = reason or Discard.UNKNOWN_JOB
             self._discard(reason)
             await self.broker.reject(delivery, reason)
             return None
         early = (due_at - self.app.clock.now()).total_seconds()
-        if early > _EARLY_HOLD_SECONDS:
+        if early > EARLY_HOLD:
             await self._defer(delivery, msg, early)
             return None
         return early
@@ -373,7 +382,7 @@ class Worker:
         if await self.broker.defer(delivery, seconds) is not False:
             return
         await self.pools.db(self.starts.give_back, msg)
-        self._discard("defer_refused")
+        self._discard(Discard.DEFER_REFUSED)
         await self.broker.ack(delivery)
 
     def _checks_in_thread(self, rec: jobstore.JobRecord) -> bool:
@@ -409,7 +418,7 @@ class Worker:
     def _discard(self, reason: str) -> None:
         self.stats.discarded[reason] += 1
         self.metrics.discarded.labels(self.backend, reason).inc()
-        if reason in ("stale_version", "already_succeeded", "already_running", "cancelled"):
+        if reason in _DUPLICATE_REASONS:
             self.stats.duplicates += 1
             self.metrics.duplicates.labels(self.backend, reason).inc()
 
@@ -419,32 +428,32 @@ class Worker:
 
     def _expire(self, rec: jobstore.JobRecord) -> None:
         with self.app.engine.begin() as conn:
-            jobstore.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
+            dispatched.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
                             now=self.app.clock.now())
 
     async def _execute(self, task: Task, rec: jobstore.JobRecord,
                        leased: datetime | None, early: bool = False) -> None:
         outcome, started = await self.executors.run(task, rec, leased, early=early)
-        if outcome.status == "released":  # stopping: given back, never started
+        if outcome.status is RunStatus.RELEASED:  # stopping: given back, never started
             return
-        if outcome.status == "cancelled":  # seen under the group's lock, before it ran
-            self._discard("cancelled")
+        if outcome.status is RunStatus.CANCELLED:  # seen under the group's lock, before it ran
+            self._discard(Discard.CANCELLED)
             return
         self._observe_start(rec, started)
         self._observe_outcome(rec, outcome, started)
         st = self.stats
-        if outcome.status == "succeeded":
+        if outcome.status is RunStatus.SUCCEEDED:
             st.succeeded += 1
-        elif outcome.status == "duplicate":
+        elif outcome.status is RunStatus.DUPLICATE:
             st.succeeded += 1
             st.duplicates += 1
-        elif outcome.status == "lease_lost":
+        elif outcome.status is RunStatus.LEASE_LOST:
             st.lease_lost += 1
         else:
             st.failed += 1
             st.throttled += outcome.failure_class == FailureClass.THROTTLED
-            st.retried += outcome.status == "retried"
-            st.dead += outcome.status == "dead"
+            st.retried += outcome.status is RunStatus.RETRIED
+            st.dead += outcome.status is RunStatus.DEAD
 
 
     # --- observability -----------------------------------------------------------
@@ -483,22 +492,22 @@ class Worker:
         m, b, q = self.metrics, self.backend, rec.queue
         finished = self.app.clock.now()
         _, _, ran, succeeded, end_to_end = self._queue_metrics(q)
-        if outcome.status != "succeeded":
+        if outcome.status is not RunStatus.SUCCEEDED:
             ran = m.execution.labels(b, q, outcome.status)
         ran.observe(seconds(finished, started))
-        if outcome.status in ("succeeded", "duplicate"):
+        if outcome.status in (RunStatus.SUCCEEDED, RunStatus.DUPLICATE):
             succeeded.inc()
             end_to_end.observe(seconds(finished, rec.due_at))
-            if outcome.status == "duplicate":
+            if outcome.status is RunStatus.DUPLICATE:
                 m.duplicates.labels(b, "dedupe").inc()
-        elif outcome.status == "lease_lost":
+        elif outcome.status is RunStatus.LEASE_LOST:
             m.lease_lost.labels(b, q).inc()
         else:
             cls = str(outcome.failure_class or "unknown")
             m.failed.labels(b, q, cls).inc()
-            if outcome.status == "retried":
+            if outcome.status is RunStatus.RETRIED:
                 m.retried.labels(b, q).inc()
-            elif outcome.status == "dead":
+            elif outcome.status is RunStatus.DEAD:
                 m.dead.labels(b, q, cls).inc()
 
 
@@ -510,17 +519,9 @@ async def _hold_until(clock: Clock, due_at: datetime) -> None:
         await clock.sleep(wait)
 
 
-# A job leased before its due time is read again this long before it: about
-# a round trip to the database.
-_REREAD_LEAD = timedelta(milliseconds=3)
 # Connections opened before the first job: one per executor, up to the
 # engine's default pool size (more would be closed again on their return).
 _WARM_CONNECTIONS = 10
-# A job handed over at most this long before its due time goes to its
-# executor at once, which reads it again and waits out the rest; one further
-# out (brokers hand over base.HANDOVER_LEAD ahead) first waits on the event
-# loop, not in an executor thread.
-_EXECUTOR_HOLD_MOST = timedelta(milliseconds=6)
 
 
 def _no_handler(payload: Any, ctx: Any) -> None:  # pragma: no cover - never called

@@ -11,6 +11,7 @@ from .app import Duebox
 from .clock import Clock, DatabaseClock, FakeClock, SystemClock
 from .config import Settings
 from .errors import (
+    AmbiguousJobError,
     BrokerError,
     ConfigurationError,
     DatabaseError,
@@ -25,6 +26,7 @@ from .errors import (
     ValidationError,
 )
 from .failures import Classifier, FailureClass, Permanent, Throttled, Transient
+from .inspect import JobInfo
 from .message import JobMessage
 from .producer import NewJob
 from .states import JobState
@@ -68,6 +70,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DUPLICATE",
+    "AmbiguousJobError",
     "Background",
     "BrokerError",
     "Classifier",
@@ -80,6 +83,7 @@ __all__ = [
     "FailureClass",
     "FakeClock",
     "JobContext",
+    "JobInfo",
     "JobMessage",
     "JobNotFoundError",
     "JobState",

@@ -13,9 +13,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from .clock import Clock, DatabaseClock
 from .config import Settings
 from .db import create_async_engine_for, create_sync_engine
-from .dlq import check_operator
 from .errors import ConfigurationError, UnknownTaskError, ValidationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
+from .inspect import JobInfo, record_steps
 from .producer import (
     NewJob,
     Target,
@@ -33,9 +33,10 @@ from .producer import (
 )
 from .registry import broker_class, check_broker_url, check_queue_name, message_limit
 from .schedules import Schedules
+from .seam import BrokerContext
 from .targets import AsyncTarget, SyncTarget
 from .tasks import Handler, RetryPolicy, Task, check_task_seconds, validate_task_options
-from .values import aware, check_json, check_optional_str, encode_json
+from .values import aware, check_json, check_operator, check_optional_str, encode_json
 
 if TYPE_CHECKING:
     from duebox.brokers.base import Broker
@@ -118,8 +119,6 @@ class Duebox:
         self.dispose()
 
     def broker(self, worker_name: str = "worker") -> Broker:
-        from duebox.brokers.base import BrokerContext
-
         cls = broker_class(self.settings.broker_url)
         ctx = BrokerContext(self.engine, self.clock, self.settings, worker_name)
         broker: Broker = cls(self.settings.broker_url, ctx)
@@ -363,6 +362,23 @@ class Duebox:
         return drive(session, reschedule_steps(job_id, due_at, span, self.clock.now(),
                                                self.settings.notify, dialect,
                                                self.follows_database))
+
+    @overload
+    def get_job(self, session: SyncTarget, id_or_key: uuid.UUID | str) -> JobInfo: ...
+
+    @overload
+    def get_job(self, session: AsyncTarget, id_or_key: uuid.UUID | str
+                ) -> Coroutine[Any, Any, JobInfo]: ...
+
+    def get_job(self, session: Target, id_or_key: uuid.UUID | str
+                ) -> JobInfo | Awaitable[JobInfo]:
+        """The job with this id, business key, or id prefix (as ``duebox jobs
+        list`` prints it): its state, due time, attempts and last error, e.g.
+        to show your own users where their job is.  Raises
+        :class:`JobNotFoundError`, or :class:`AmbiguousJobError` for a prefix
+        that starts several ids."""
+        dialect_of(session)
+        return drive(session, record_steps(id_or_key))
 
     @property
     def follows_database(self) -> bool:

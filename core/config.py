@@ -6,13 +6,12 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
+from urllib.parse import urlsplit
 
+from .dispatch_policy import DispatchPolicy
 from .errors import ConfigurationError
 from .values import MAX_SPAN
-
-if TYPE_CHECKING:
-    from .fair_claim import DispatchPolicy
 
 DEFAULT_DATABASE_URL = "sqlite:///duebox.db"
 DEFAULT_BROKER_URL = "sql://"
@@ -61,8 +60,6 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.dispatch_policy is not None:
-            from .fair_claim import DispatchPolicy
-
             object.__setattr__(self, "dispatch_policy", DispatchPolicy.parse(self.dispatch_policy))
         _positive_int("batch_size", self.batch_size, upper=100_000)
         _positive_int("concurrency", self.concurrency, upper=10_000)
@@ -132,3 +129,12 @@ def _finite(value: object) -> bool:
 def _positive_int(name: str, value: object, upper: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
         raise ConfigurationError(f"{name}: must be an integer from 1 to {upper} (got {value!r})")
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password as ``***``, to print or log."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:  # a port that is not a number: nothing to find
+        return url
+    return url.replace(f":{password}@", ":***@") if password else url

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Table, create_engine, event, text
 from sqlalchemy import exc as sa_exc
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool, StaticPool
@@ -43,6 +45,11 @@ def parse_database_url(url: str | URL) -> URL:
             f"database_url: must be an SQLAlchemy URL such as sqlite:///duebox.db "
             f"or postgresql+psycopg://host/db (got {str(url)!r})"
         ) from exc
+    if parsed.drivername.split("+")[0] == "postgres":
+        # What Heroku and many platforms hand out; SQLAlchemy knows only
+        # "postgresql".
+        driver = parsed.drivername.partition("+")[2]
+        parsed = parsed.set(drivername=f"postgresql+{driver}" if driver else "postgresql")
     if parsed.drivername == "postgresql":
         # A bare postgresql:// means psycopg2 to SQLAlchemy; duebox's [postgres]
         # extra installs psycopg 3, which also serves the async engine.
@@ -305,6 +312,36 @@ def _schema_missing(orig: object) -> bool:
 
 def _first_line(orig: object) -> str:
     return str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+
+
+def missing_sqlite_file(url: str | URL) -> str | None:
+    """The path of a SQLite database file that does not exist (connecting
+    would create it, empty), else None."""
+    parsed = parse_database_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or path in (None, "", ":memory:") \
+            or parsed.query.get("uri") or path.startswith("file:"):
+        return None
+    return None if os.path.exists(path) else path
+
+
+def check_tables(engine: Engine, action: str) -> None:
+    """Refuse early, in words saying what to do, when the database has no
+    duebox tables; never create a SQLite file on the way (a read-only
+    command that did left an empty ``./duebox.db`` behind)."""
+    path = missing_sqlite_file(engine.url)
+    if path is not None:
+        raise DatabaseError(
+            f"{action}: no database at {path} (the file does not exist): run `duebox db "
+            "upgrade` to create it with duebox's tables, or give --database-url / "
+            "DUEBOX_DATABASE_URL")
+    with db_errors(action), engine.connect() as conn:
+        present = sa_inspect(conn).has_table("duebox_job")
+    if not present:
+        raise DatabaseError(
+            f"{action}: no duebox tables in this database "
+            f"({engine.url.render_as_string(hide_password=True)}): run `duebox db upgrade`, "
+            "or give --database-url / DUEBOX_DATABASE_URL")
 
 
 def check_reachable(engine: Engine) -> None:

@@ -23,11 +23,11 @@ from sqlalchemy import Connection, delete, exists, select, update
 
 from .db import db_errors
 from .errors import ValidationError
-from .failures import FailureClass
+from .failures import FailureClass, SystemFailure
 from .ids import uuid7
 from .states import JobState
 from .tables import attempt, audit, job
-from .values import check_printable
+from .values import check_operator
 
 if TYPE_CHECKING:
     from .app import Duebox
@@ -89,36 +89,12 @@ def quarantine_if_repeated(
     return True
 
 
-# The audit table's column widths (tables.audit); longer values are refused
-# rather than cut, so what is recorded is what the operator said.
-_OPERATOR_MAX = 200
-_REASON_MAX = 2000
-
-
-def check_operator(operator: object, reason: object) -> tuple[str, str]:
-    """Who and why, both required for an audited action; refused before any
-    write.  Both are shown to operators one line per action (``duebox jobs
-    show``, the dashboard), so neither may carry a newline, ESC or another
-    control or formatting character that could forge or hide a line."""
-    if not isinstance(operator, str) or not operator.strip():
-        raise ValidationError("operator", "an operator identity is required for this action",
-                              operator)
-    if len(operator.strip()) > _OPERATOR_MAX:
-        raise ValidationError("operator", f"must be at most {_OPERATOR_MAX} characters",
-                              operator)
-    if not isinstance(reason, str) or not reason.strip():
-        raise ValidationError("reason", "a reason is required for this action", reason)
-    if len(reason.strip()) > _REASON_MAX:
-        raise ValidationError("reason", f"must be at most {_REASON_MAX} characters", reason)
-    return check_printable("operator", operator.strip()), check_printable("reason", reason.strip())
-
-
 # Replayed jobs are due 1/rate apart: slower than one per 1,000 s and a big
 # replay's last due time would leave the calendar (duebox.values.LATEST).
 MIN_RATE = 0.001
 
 # "refused": a publish the broker refuses for good (relay/refusals.py).
-ERROR_CLASSES = (*(str(c) for c in FailureClass), "lost", "expired", "refused")
+ERROR_CLASSES = (*(str(c) for c in FailureClass), *(str(c) for c in SystemFailure))
 
 
 def check_error_class(error_class: object) -> str | None:

@@ -9,6 +9,7 @@ original chained as ``__cause__``::
     │   └── MissingDependencyError  an optional driver is not installed
     ├── ValidationError           bad input to the API or a message (names the field)
     │   ├── UnknownTaskError
+    │   ├── AmbiguousJobError     an id prefix that names more than one job
     │   └── MessageDecodeError    a broker message that is not a duebox message
     ├── DatabaseError             the database is unreachable or refused a write
     │   └── PermissionDeniedError   the database role lacks a privilege the action needs
@@ -19,6 +20,8 @@ original chained as ``__cause__``::
 """
 
 from __future__ import annotations
+
+from .states import Discard
 
 
 class DueboxError(Exception):
@@ -58,13 +61,25 @@ class UnknownTaskError(ValidationError):
         super().__init__("task", f"must be a registered task name (known: {hint})", name)
 
 
+class AmbiguousJobError(ValidationError):
+    """An id prefix that starts more than one job's id: ``candidates`` are
+    some of them, to pick from."""
+
+    def __init__(self, field: str, prefix: str, candidates: list[str], *,
+                 more: bool = False) -> None:
+        listed = ", ".join(candidates) + (", ..." if more else "")
+        super().__init__(field, f"the id prefix {prefix!r} matches several jobs: {listed}; "
+                                "give more of the id")
+        self.candidates = candidates
+
+
 class MessageDecodeError(ValidationError):
     """A broker message that cannot be a duebox message.  ``reason`` is what
     the worker counts its discard as (``duebox_jobs_discarded_total``):
     ``undecodable``, ``too_large`` or ``too_deep``."""
 
     def __init__(self, field: str, rule: str, value: object = ..., *,
-                 reason: str = "undecodable") -> None:
+                 reason: str = Discard.UNDECODABLE) -> None:
         super().__init__(field, rule, value)
         self.reason = reason
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import email.utils
 import math
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -34,6 +35,16 @@ class FailureClass(StrEnum):
     THROTTLED = "throttled"
     PERMANENT = "permanent"
     UNKNOWN = "unknown"
+
+
+class SystemFailure(StrEnum):
+    """Error classes duebox writes when an attempt ends for a reason outside
+    the handler (``FailureClass`` is the handler's): together they are every
+    value of the ``error_class`` column."""
+
+    LOST = "lost"  # the worker vanished (lease expired, process died)
+    EXPIRED = "expired"  # too late to run: past expires_at or max_lateness
+    REFUSED = "refused"  # the broker refuses its message for good
 
 
 class JobFailure(DueboxError):
@@ -163,3 +174,25 @@ DEFAULT_CLASSIFIER = Classifier({
     TimeoutError: FailureClass.TRANSIENT,
     ConnectionError: FailureClass.TRANSIENT,
 })
+
+
+# A failed attempt's traceback is kept whole up to this many characters; a
+# longer one (deep recursion, a huge message) keeps its start, where the
+# handler was entered, and its end, where it raised.
+TRACEBACK_MAX = 16_000
+_TRACEBACK_HEAD = 2_000
+
+
+def error_line(exc: BaseException) -> str:
+    """``module.Class: message``, what an attempt records as its error."""
+    return "".join(traceback.format_exception_only(exc)).strip()
+
+
+def bounded_traceback(exc: BaseException, limit: int = TRACEBACK_MAX) -> str:
+    """The formatted traceback of ``exc`` (with its causes), at most about
+    ``limit`` characters."""
+    text = "".join(traceback.format_exception(exc)).rstrip("\n")
+    if len(text) <= limit:
+        return text
+    head, tail = text[:_TRACEBACK_HEAD], text[len(text) - (limit - _TRACEBACK_HEAD):]
+    return f"{head}\n... ({len(text) - limit} characters cut) ...\n{tail}"

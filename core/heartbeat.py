@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -93,10 +94,19 @@ def prune(conn: Connection, *, now: datetime, limit: int = 500,
         delete(lease).where(lease.c.name.in_(names), lease.c.expires_at < now)).rowcount
 
 
+@dataclass
+class ProcessRow:
+    """A live process's registry row (a relay or a worker)."""
+
+    name: str
+    role: str
+    heartbeat_at: datetime | None
+    expires_at: datetime
+    info: dict[str, Any]
+
+
 def alive(conn: Connection, now: datetime, limit: int = 1000) -> list[Any]:
     """Unexpired process rows (at most ``limit``), relays first."""
-    from .metrics import ProcessRow
-
     rows = conn.execute(
         select(lease.c.name, lease.c.expires_at, lease.c.info)
         .where(_ours(), lease.c.expires_at >= now).order_by(lease.c.name).limit(limit)

@@ -1,10 +1,13 @@
-"""Every state transition of a job, as one conditional statement.
+"""A started job's life, each step one conditional statement: a worker's
+version-checked start, its lease renewed, its progress checkpointed, and
+its end — completed, retried, dead — plus a ``sql://`` worker's claim given
+back and the checks that explain why a message cannot start.
 
 Each write is ``UPDATE ... WHERE state = ? [AND version = ?] [AND lease_owner
 = ? AND lease_generation = ?]``: a write that lost a race matches no row,
-changes nothing and says so through its row count.  The relay, the workers,
-the ``sql://`` backend and the CLI all go through this module, so there is
-one place where the state machine lives.
+changes nothing and says so through its row count.  The other transitions
+live beside this one: the claim (core/claims.py), how a relay's claim ends
+(core/dispatched.py) and recovery of leases that ran out (core/recovery.py).
 
 Lease owners are unique per claim (``process token`` + sequence), which makes
 the owner a fencing token on its own; ``lease_generation`` is bumped on every
@@ -14,16 +17,13 @@ claim and start as well, and completion checks both.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
-    ColumnElement,
     Connection,
     and_,
-    any_,
     bindparam,
     case,
     delete,
@@ -31,580 +31,18 @@ from sqlalchemy import (
     literal,
     or_,
     select,
-    true,
     tuple_,
     update,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import Select, Update
 
+from .claims import lease
 from .errors import LeaseLostError
-from .ids import uuid7
 from .message import JobMessage
-from .states import LEASED_STATES, STARTABLE_STATES, JobState
+from .records import ROW_COLUMNS, JobRecord, by_primary_key, open_attempts
+from .records import records as read_records
+from .states import LEASED_STATES, STARTABLE_STATES, Discard, JobState, LeaseVerdict
 from .tables import attempt, job
-
-_ROW_COLUMNS = (
-    job.c.id,
-    job.c.task,
-    job.c.queue,
-    job.c.payload,
-    job.c.headers,
-    job.c.due_at,
-    job.c.version,
-    job.c.attempt,
-    job.c.max_attempts,
-    job.c.priority,
-    job.c.tenant,
-    job.c.key,
-    job.c.expires_at,
-    job.c.lease_owner,
-    job.c.lease_generation,
-    job.c.checkpoint,
-    job.c.published_at,
-)
-
-
-@dataclass(frozen=True, slots=True)
-class JobRecord:
-    """A leased job as the claim or start returned it."""
-
-    id: uuid.UUID
-    task: str
-    queue: str
-    payload: Any
-    headers: Any
-    due_at: datetime
-    version: int
-    attempt: int
-    max_attempts: int
-    priority: int
-    tenant: str | None
-    key: str | None
-    expires_at: datetime | None
-    lease_owner: str | None
-    lease_generation: int
-    checkpoint: Any = None
-    published_at: datetime | None = None  # the last hand-over to the broker (metrics)
-    attempt_id: uuid.UUID | None = None
-
-    def to_message(self) -> JobMessage:
-        return JobMessage(
-            job_id=self.id,
-            task=self.task,
-            queue=self.queue,
-            version=self.version,
-            attempt=self.attempt,
-            due_at=self.due_at,
-            payload=self.payload,
-            headers=dict(self.headers or {}),
-        )
-
-    def expired(self, now: datetime) -> bool:
-        return self.expires_at is not None and self.expires_at <= now
-
-
-def _records(rows: Sequence[Any]) -> list[JobRecord]:
-    return [JobRecord(*row) for row in rows]
-
-
-def _by_primary_key(stmt: Update) -> Update:
-    """An UPDATE of given job rows (``id IN (...)``), made to find them
-    through the primary key on MySQL/MariaDB.
-
-    The lock order of every duebox transaction that waits for job rows: the
-    row (primary key) first, then the entries of the secondary indexes its
-    update changes.  With a condition on ``state`` beside the ids, InnoDB
-    may instead scan the ``(state, due_at)`` index, locking an entry there
-    before its row: against a worker's start, which holds the row and waits
-    for that entry, a deadlock (a relay's mark and a start, every few runs of
-    the invariant tests, issue #24).  Scans of that index that lock happen
-    only in claims, with SKIP LOCKED, which never wait."""
-    return (stmt.with_hint("FORCE INDEX (PRIMARY)", dialect_name="mysql")
-            .with_hint("FORCE INDEX (PRIMARY)", dialect_name="mariadb"))
-
-
-def _claim_candidates(
-    state_filter: Any, limit: int, queues: Sequence[str] | None = None,
-    priority_first: bool = False,
-) -> Select[Any]:
-    stmt = select(job.c.id).where(state_filter)
-    if queues:
-        stmt = stmt.where(job.c.queue.in_(list(queues)))
-    # Priority first only for the catch-up claim, whose due_at range is the
-    # backlog: the (state, due_at) index still bounds the scan; the top-N sort
-    # by priority happens over that range.
-    order = (job.c.priority.desc(), job.c.due_at) if priority_first else (job.c.due_at,)
-    return stmt.order_by(*order).limit(limit).with_for_update(skip_locked=True)
-
-
-def _update_candidates(conn: Connection, stmt: Update, candidates: Select[Any]) -> int:
-    """Run ``stmt`` on the ``candidates`` rows; the number of rows changed.
-
-    MySQL/MariaDB reject ``IN (SELECT ... LIMIT ...)`` (error 1235), so there
-    the candidates are locked and read first and the update names them: the
-    same rows, locked by this transaction, so nothing changes them between
-    the two statements."""
-    if conn.dialect.name not in ("mysql", "mariadb"):
-        return conn.execute(stmt.where(job.c.id.in_(candidates))).rowcount
-    ids = list(conn.execute(candidates).scalars())
-    return conn.execute(_by_primary_key(stmt.where(job.c.id.in_(ids)))).rowcount if ids else 0
-
-
-def _claim(
-    conn: Connection, candidates: Select[Any], owner: str, values: dict[str, Any],
-    fence: ColumnElement[bool] | None = None, params: dict[str, Any] | None = None,
-) -> list[JobRecord]:
-    """Lease the candidate rows to ``owner`` in one statement where the
-    dialect allows ``UPDATE ... RETURNING``; MySQL/MariaDB take three.
-    ``fence``: an extra condition every leased row must meet (a relay's shard
-    ownership, docs/scale.md).  ``params``: values of bound parameters in
-    ``candidates`` and ``values``."""
-    base = update(job).values(
-        lease_owner=owner, lease_generation=job.c.lease_generation + 1, **values
-    )
-    if fence is not None:
-        base = base.where(fence)
-    if conn.dialect.update_returning:
-        rows = conn.execute(base.where(job.c.id.in_(candidates)).returning(*_ROW_COLUMNS),
-                            params).all()
-    else:
-        ids = list(conn.execute(candidates, params).scalars())
-        if not ids:
-            return []
-        conn.execute(_by_primary_key(base.where(job.c.id.in_(ids))), params)
-        rows = conn.execute(
-            select(*_ROW_COLUMNS).where(job.c.id.in_(ids), job.c.lease_owner == owner)
-        ).all()
-    records = _records(rows)
-    records.sort(key=lambda r: (r.due_at, r.id))
-    return records
-
-
-# --- relay side -------------------------------------------------------------
-
-
-def claim_for_dispatch(
-    conn: Connection, *, owner: str, horizon: datetime, limit: int, now: datetime,
-    lease_until: datetime, after: datetime | None = None, priority_first: bool = False,
-    fence: ColumnElement[bool] | None = None,
-) -> list[JobRecord]:
-    """SCHEDULED → DISPATCHING for the next ``limit`` jobs due by ``horizon``
-    (and after ``after``); ``priority_first`` orders by priority, then due time
-    (the relay's catch-up claim of overdue jobs).  ``fence`` limits the claim
-    to rows it holds for (a sharded relay's owned shards, still owned)."""
-    due = job.c.due_at <= horizon
-    if after is not None:
-        due = and_(due, job.c.due_at > after)
-    if fence is not None:
-        due = and_(due, fence)
-    candidates = _claim_candidates(
-        and_(job.c.state == JobState.SCHEDULED, due), limit, priority_first=priority_first
-    )
-    return _claim(conn, candidates, owner, _dispatching(now, lease_until), fence)
-
-
-def _dispatching(now: datetime, lease_until: datetime) -> dict[str, Any]:
-    return {"state": JobState.DISPATCHING, "lease_until": lease_until, "claimed_at": now,
-            "updated_at": now}
-
-
-def claim_selected(
-    conn: Connection, ids: Sequence[uuid.UUID], *, owner: str, now: datetime,
-    lease_until: datetime, fence: ColumnElement[bool] | None = None,
-) -> list[JobRecord]:
-    """SCHEDULED → DISPATCHING for ``ids``, rows this transaction already
-    locked (the fair claim picks them class by class, core/fair_claim.py)."""
-    if not ids:
-        return []
-    candidates = select(job.c.id).where(job.c.id.in_(list(ids)),
-                                        job.c.state == JobState.SCHEDULED)
-    return _claim(conn, candidates, owner, _dispatching(now, lease_until), fence)
-
-
-def mark_enqueued(
-    conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
-    broker_ids: dict[uuid.UUID, str] | None = None, fence: ColumnElement[bool] | None = None,
-) -> int:
-    """DISPATCHING → ENQUEUED, fenced by the claim's owner token (and by
-    ``fence``: a sharded relay's shard generation, still current)."""
-    if not ids:
-        return 0
-    in_order = conn.dialect.name == "postgresql"
-    if broker_ids:
-        total = 0
-        for job_id in ids:
-            total += conn.execute(
-                _mark_stmt(owner, now, job.c.id == job_id, fence).values(
-                    broker_message_id=broker_ids.get(job_id)
-                )
-            ).rowcount
-        return total
-    return conn.execute(_mark_stmt(owner, now, job.c.id.in_(list(ids)), fence,
-                                   in_id_order=in_order)).rowcount
-
-
-def _mark_stmt(owner: str, now: datetime, chosen: ColumnElement[bool],
-               fence: ColumnElement[bool] | None = None, *, in_id_order: bool = False
-               ) -> Update:
-    """The mark of the ``chosen`` rows still DISPATCHING under ``owner``.
-
-    ``in_id_order`` (PostgreSQL): the rows are locked in id order first.  A
-    worker's version-checked start locks its batch's rows in id order and
-    waits for a mark holding one of them; a mark locking in scan order could
-    meanwhile wait for a row that start holds: a deadlock, which PostgreSQL
-    detects only after ``deadlock_timeout`` (a second).  (MariaDB refuses a
-    subquery on the table an UPDATE changes.)"""
-    condition = and_(chosen, job.c.state == JobState.DISPATCHING, job.c.lease_owner == owner)
-    if fence is not None:
-        condition = and_(condition, fence)
-    if in_id_order:
-        condition = job.c.id.in_(
-            select(job.c.id).where(condition).order_by(job.c.id).with_for_update())
-    return _by_primary_key(update(job).where(condition).values(
-        state=JobState.ENQUEUED, published_at=now, lease_owner=None, lease_until=None,
-        updated_at=now))
-
-
-def release(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
-            error: str | None = None) -> int:
-    """Hand claimed jobs back (a publish failed): DISPATCHING → SCHEDULED;
-    ``error``, the broker's reason, goes to ``last_error``."""
-    if not ids:
-        return 0
-    values: dict[str, Any] = {"last_error": error} if error is not None else {}
-    return conn.execute(_by_primary_key(
-        update(job)
-        .where(job.c.id.in_(list(ids)), job.c.state == JobState.DISPATCHING,
-               job.c.lease_owner == owner)
-        .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None, updated_at=now,
-                **values)
-    )).rowcount
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A claimed job whose message the broker refuses for good, why, and
-    when to try it again if it has attempts left."""
-
-    record: JobRecord
-    error: str
-    retry_at: datetime
-
-
-def refuse(conn: Connection, *, owner: str, refusals: Sequence[Refusal], worker: str,
-           now: datetime) -> tuple[int, int]:
-    """Jobs whose message the broker refuses every time (a queue name it
-    cannot use, a message over its size limit): the refusal is a failed
-    attempt, with the broker's reason in ``last_error`` and an attempt row.
-    The job is tried again at ``retry_at`` with a new version, or goes DEAD
-    once its attempts are used up — never claimed and released forever.
-    Fenced by the claim's owner.  Returns (retried, dead)."""
-    retried = dead = 0
-    for r in refusals:
-        rec = r.record
-        claimed = (update(job).where(job.c.id == rec.id, job.c.state == JobState.DISPATCHING,
-                                     job.c.lease_owner == owner))
-        failed = {"attempt": job.c.attempt + 1, "error_class": "refused", "last_error": r.error,
-                  "lease_owner": None, "lease_until": None, "updated_at": now}
-        moved = conn.execute(_by_primary_key(
-            claimed.where(job.c.attempt + 1 >= job.c.max_attempts).values(
-                state=JobState.DEAD, finished_at=now, **failed))).rowcount
-        dead += moved
-        if not moved:
-            moved = conn.execute(_by_primary_key(claimed.values(
-                state=JobState.SCHEDULED, due_at=r.retry_at, version=job.c.version + 1,
-                **failed))).rowcount
-            retried += moved
-        if moved:
-            conn.execute(attempt.insert().values(
-                id=uuid7(), job_id=rec.id, number=rec.attempt + 1, worker=worker,
-                lease_generation=rec.lease_generation, outcome="refused",
-                error_class="refused", error=r.error, started_at=now, finished_at=now))
-    return retried, dead
-
-
-def expire(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime) -> int:
-    """Leased jobs past their ``expires_at`` become EXPIRED and never run."""
-    if not ids:
-        return 0
-    return conn.execute(_by_primary_key(
-        update(job)
-        .where(job.c.id.in_(list(ids)), job.c.lease_owner == owner,
-               job.c.state.in_([JobState.DISPATCHING, JobState.RUNNING]))
-        .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
-                finished_at=now, updated_at=now, error_class="expired")
-    )).rowcount
-
-
-def _too_late(now: datetime, lateness: Mapping[str, float]) -> list[Any]:
-    conditions = [job.c.expires_at <= now]
-    conditions += [and_(job.c.task == task, job.c.due_at < now - timedelta(seconds=late))
-                   for task, late in sorted(lateness.items())]
-    return conditions
-
-
-def any_too_late(conn: Connection, *, now: datetime, lateness: Mapping[str, float]) -> bool:
-    """Whether :func:`expire_overdue` would find anything (a read, no locks)."""
-    return conn.execute(
-        select(job.c.id).where(job.c.state == JobState.SCHEDULED, job.c.due_at <= now,
-                               or_(*_too_late(now, lateness))).limit(1)
-    ).first() is not None
-
-
-def expire_overdue(
-    conn: Connection, *, now: datetime, lateness: Mapping[str, float], limit: int
-) -> int:
-    """SCHEDULED jobs past ``expires_at``, or due longer ago than their task's
-    max lateness (``lateness``: task name → seconds), become EXPIRED: a
-    bounded batch per condition, never run."""
-    total = 0
-    for condition in _too_late(now, lateness):
-        candidates = _claim_candidates(
-            and_(job.c.state == JobState.SCHEDULED, job.c.due_at <= now, condition), limit)
-        total += _update_candidates(
-            conn,
-            update(job).where(job.c.state == JobState.SCHEDULED)
-            .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
-                    finished_at=now, updated_at=now, error_class="expired",
-                    last_error="too late: past expires_at or the task's max_lateness"),
-            candidates,
-        )
-    return total
-
-
-@dataclass(frozen=True, slots=True)
-class Recovered:
-    dispatching: int = 0
-    running: int = 0
-    dead: int = 0
-    enqueued: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.dispatching + self.running + self.dead + self.enqueued
-
-
-def recover(
-    conn: Connection, *, now: datetime, margin: float, redeliver_after: float, limit: int
-) -> Recovered:
-    """Return jobs whose lease expired (plus ``margin`` for clock skew) to SCHEDULED.
-
-    A RUNNING job whose worker vanished counts as a failed attempt: once its
-    attempts are used up it goes to DEAD instead of cycling forever.
-    """
-    cutoff = now - timedelta(seconds=margin)
-    dispatching, running, dead = _return_leases(
-        conn, job.c.lease_until < cutoff, now=now, limit=limit,
-        lost_error="lease expired: the worker stopped heartbeating (crash, kill or pause)")
-    free = {"lease_owner": None, "lease_until": None, "updated_at": now}
-    stale = now - timedelta(seconds=redeliver_after)
-    # Measured from the due time *and* from the last publish: a job already
-    # republished waits redeliver_after again.  From the due time alone, every
-    # recovery pass of every relay republished every overdue job once a backlog
-    # passed redeliver_after, and the duplicates deepened the backlog (the soak
-    # saw 23,706 messages queued for 2,400 jobs).
-    enqueued = _update_candidates(
-        conn, update(job).values(state=JobState.SCHEDULED, **free),
-        _claim_candidates(
-            and_(job.c.state == JobState.ENQUEUED, job.c.due_at < stale,
-                 or_(job.c.published_at.is_(None), job.c.published_at < stale)), limit),
-    )
-    return Recovered(dispatching, running, dead, enqueued)
-
-
-def recover_owned(conn: Connection, *, process: str, now: datetime, limit: int) -> Recovered:
-    """Return the jobs leased by a process found dead (core/liveness.py) to
-    SCHEDULED at once, as lease expiry would: every lease it took is owned
-    by ``<process>#<n>``, a string no other process writes, so the owner
-    fences this update as the generation fences a completion; a RUNNING job
-    counts as a lost attempt.  At most ``limit`` of each kind per call."""
-    dispatching, running, dead = _return_leases(
-        conn, job.c.lease_owner.startswith(process + "#", autoescape=True), now=now,
-        limit=limit, lost_error="the worker's process died (its database session ended)")
-    return Recovered(dispatching, running, dead)
-
-
-def _return_leases(conn: Connection, which: ColumnElement[bool], *, now: datetime, limit: int,
-                   lost_error: str) -> tuple[int, int, int]:
-    """DISPATCHING and RUNNING jobs matching ``which`` back to SCHEDULED (a
-    RUNNING one whose attempts are used up to DEAD, its attempt closed as
-    ``lost``): the counts moved (dispatching, running, dead)."""
-    free = {"lease_owner": None, "lease_until": None, "updated_at": now}
-    dispatching = _update_candidates(
-        conn, update(job).where(job.c.state == JobState.DISPATCHING, which)
-        .values(state=JobState.SCHEDULED, **free),
-        _claim_candidates(and_(job.c.state == JobState.DISPATCHING, which), limit),
-    )
-    lost_ids = list(conn.execute(_claim_candidates(
-        and_(job.c.state == JobState.RUNNING, which), limit)).scalars())
-    running = dead = 0
-    if lost_ids:
-        dead = conn.execute(_by_primary_key(
-            update(job)
-            .where(job.c.id.in_(lost_ids), job.c.state == JobState.RUNNING,
-                   job.c.attempt >= job.c.max_attempts)
-            .values(state=JobState.DEAD, error_class="lost", last_error=lost_error,
-                    finished_at=now, **free)
-        )).rowcount
-        running = conn.execute(_by_primary_key(
-            update(job)
-            .where(job.c.id.in_(lost_ids), job.c.state == JobState.RUNNING)
-            .values(state=JobState.SCHEDULED, error_class="lost", last_error=lost_error, **free)
-        )).rowcount
-        conn.execute(
-            update(attempt)
-            .where(attempt.c.job_id.in_(lost_ids), attempt.c.outcome.is_(None))
-            .values(outcome="lost", error_class="lost", finished_at=now)
-        )
-    return dispatching, running, dead
-
-
-@dataclass(frozen=True, slots=True)
-class EnqueuedRef:
-    """An ``ENQUEUED`` job as reconciliation sees it."""
-
-    id: uuid.UUID
-    version: int
-    queue: str
-    due_at: datetime
-    published_at: datetime | None = None
-
-
-def enqueued_page(
-    conn: Connection, *, after: tuple[datetime, uuid.UUID] | None, limit: int
-) -> list[EnqueuedRef]:
-    """The next ``limit`` ENQUEUED jobs in ``(due_at, id)`` order after ``after``
-    (keyset pagination on the ``(state, due_at)`` index)."""
-    stmt = select(job.c.id, job.c.version, job.c.queue, job.c.due_at, job.c.published_at).where(
-        job.c.state == JobState.ENQUEUED
-    )
-    if after is not None:
-        due, last = after
-        stmt = stmt.where(or_(job.c.due_at > due, and_(job.c.due_at == due, job.c.id > last)))
-    rows = conn.execute(stmt.order_by(job.c.due_at, job.c.id).limit(limit)).all()
-    return [EnqueuedRef(*row) for row in rows]
-
-
-def requeue_lost(conn: Connection, *, refs: Sequence[EnqueuedRef], now: datetime) -> int:
-    """ENQUEUED → SCHEDULED for jobs whose message the broker lost, fenced by
-    state, version and publish time: a job that moved on meanwhile, or that
-    another relay already published again, is left alone."""
-    total = 0
-    for ref in refs:
-        published = (job.c.published_at.is_(None) if ref.published_at is None
-                     else job.c.published_at == ref.published_at)
-        total += conn.execute(
-            update(job)
-            .where(job.c.id == ref.id, job.c.version == ref.version,
-                   job.c.state == JobState.ENQUEUED, published)
-            .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None,
-                    updated_at=now)
-        ).rowcount
-    return total
-
-
-def next_due(conn: Connection) -> datetime | None:
-    """The earliest ``due_at`` among SCHEDULED jobs (an index seek)."""
-    return conn.execute(
-        select(job.c.due_at).where(job.c.state == JobState.SCHEDULED)
-        .order_by(job.c.due_at).limit(1)
-    ).scalar()
-
-
-def mark_and_claim(
-    conn: Connection, *, marks: Sequence[tuple[str, Sequence[uuid.UUID]]], owner: str,
-    horizon: datetime, limit: int, now: datetime, lease_until: datetime,
-    after: datetime | None = None, priority_first: bool = False,
-    fence: ColumnElement[bool] | None = None,
-) -> tuple[list[int], list[JobRecord]]:
-    """:func:`mark_enqueued` for each ``(owner, ids)`` of ``marks`` (batches
-    the broker confirmed), then :func:`claim_for_dispatch`, on the caller's
-    connection; returns the rows each mark changed and the claimed records.
-
-    The pipelined relay's one round trip per batch.  On PostgreSQL the first
-    mark and the claim are one statement (data-modifying CTEs); the mark is
-    fenced exactly as :func:`mark_enqueued`'s (state, the claim's owner,
-    ``fence``), and the two touch disjoint rows (DISPATCHING and ours vs.
-    SCHEDULED), so they cannot interfere.  Other dialects: the plain
-    statements, one after another."""
-    counts = [0] * len(marks)
-    todo = [i for i, (_, ids) in enumerate(marks) if ids]
-    if conn.dialect.name != "postgresql" or not todo:
-        for i in todo:
-            counts[i] = mark_enqueued(conn, owner=marks[i][0], ids=marks[i][1], now=now,
-                                      fence=fence)
-        return counts, claim_for_dispatch(
-            conn, owner=owner, horizon=horizon, limit=limit, now=now, lease_until=lease_until,
-            after=after, priority_first=priority_first, fence=fence)
-    first, rest = todo[0], todo[1:]
-    for i in rest:
-        counts[i] = mark_enqueued(conn, owner=marks[i][0], ids=marks[i][1], now=now,
-                                  fence=fence)
-    mark_owner, mark_ids = marks[first]
-    # One array parameter, not an IN list of 500: the statement text stays
-    # the same, so neither SQLAlchemy nor psycopg re-renders or re-parses it.
-    ids = bindparam("mark_ids", list(mark_ids), type_=postgresql.ARRAY(job.c.id.type))
-    marked = (_mark_stmt(mark_owner, now, job.c.id == any_(ids), fence, in_id_order=True)
-              .returning(job.c.id).cte("marked"))
-    due = job.c.due_at <= horizon
-    if after is not None:
-        due = and_(due, job.c.due_at > after)
-    if fence is not None:
-        due = and_(due, fence)
-    candidates = _claim_candidates(and_(job.c.state == JobState.SCHEDULED, due), limit,
-                                   priority_first=priority_first)
-    claim = update(job).where(job.c.id.in_(candidates)).values(
-        lease_owner=owner, lease_generation=job.c.lease_generation + 1,
-        **_dispatching(now, lease_until))
-    if fence is not None:
-        claim = claim.where(fence)
-    claimed = claim.returning(*_ROW_COLUMNS).cte("claimed")
-    # Outer-joined to one row, so the mark's count comes back when nothing
-    # was claimed; PostgreSQL runs every data-modifying CTE to completion
-    # whether or not the outer query reads it.
-    one = select(literal(1).label("one")).subquery("one")
-    n_marked = select(func.count()).select_from(marked).scalar_subquery()
-    stmt = (select(n_marked.label("n_marked"), *(claimed.c[c.name] for c in _ROW_COLUMNS))
-            .select_from(one.outerjoin(claimed, true())))
-    rows = conn.execute(stmt).all()
-    counts[first] = int(rows[0][0]) if rows else 0
-    records = _records([row[1:] for row in rows if row[1] is not None])
-    records.sort(key=lambda r: (r.due_at, r.id.int))  # as UUIDs compare, without their __lt__
-    return counts, records
-
-
-# --- worker side ------------------------------------------------------------
-
-
-def claim_for_run(
-    conn: Connection, *, owner: str, now: datetime, limit: int, lease_until: datetime,
-    queues: Sequence[str] | None, worker: str, horizon: datetime | None = None,
-    ids: Sequence[uuid.UUID] | None = None,
-) -> list[JobRecord]:
-    """``sql://``: SCHEDULED and due → RUNNING, in one short transaction.
-    ``horizon`` (later than ``now``): also jobs due by then, which the caller
-    holds until their due time; their ``started_at`` is that due time.
-    ``ids``: exactly these rows, which this transaction already picked and
-    locked (the fair claim, core/fair_claim.py), instead of the earliest due."""
-    due = job.c.due_at <= (horizon or now)
-    if ids is not None:
-        if not ids:
-            return []
-        candidates = select(job.c.id).where(job.c.id.in_(list(ids)),
-                                            job.c.state == JobState.SCHEDULED, due)
-    else:
-        candidates = _claim_candidates(and_(job.c.state == JobState.SCHEDULED, due), limit,
-                                       queues)
-    started: Any = now
-    if horizon is not None and horizon > now:
-        started = case((job.c.due_at > now, job.c.due_at), else_=now)
-    records = _claim(
-        conn, candidates, owner,
-        {"state": JobState.RUNNING, "lease_until": lease_until, "attempt": job.c.attempt + 1,
-         "claimed_at": now, "started_at": started, "updated_at": now},
-    )
-    return _open_attempts(conn, records, now, worker)
 
 
 def unclaim_run(conn: Connection, *, records: Sequence[JobRecord], now: datetime) -> int:
@@ -646,11 +84,11 @@ def start_many(
               "s_due_by": now + timedelta(seconds=ahead), "s_owner": owner,
               "s_until": lease_until}
     if conn.dialect.update_returning:
-        records = _records(conn.execute(_START, params).all())
+        records = read_records(conn.execute(_START, params).all())
         records.sort(key=lambda r: (r.due_at, r.id))
     else:
-        records = _claim(conn, _START_CANDIDATES, owner, _START_VALUES, params=params)
-    return {rec.id: rec for rec in _open_attempts(conn, records, now, worker)}
+        records = lease(conn, _START_CANDIDATES, owner, _START_VALUES, params=params)
+    return {rec.id: rec for rec in open_attempts(conn, records, now, worker)}
 
 
 # start_many's statement, built once with bound parameters (as the
@@ -683,66 +121,42 @@ _START = (
     .where(job.c.id.in_(_START_CANDIDATES))
     .values(lease_owner=bindparam("s_owner", type_=job.c.lease_owner.type),
             lease_generation=job.c.lease_generation + 1, **_START_VALUES)
-    .returning(*_ROW_COLUMNS)
+    .returning(*ROW_COLUMNS)
 )
-_INSERT_ATTEMPT = attempt.insert()
 
 
-def _open_attempts(
-    conn: Connection, records: list[JobRecord], now: datetime, worker: str
-) -> list[JobRecord]:
-    if not records:
-        return records
-    opened = []
-    rows = []
-    for rec in records:
-        attempt_id = uuid7()
-        opened.append(_with_attempt(rec, attempt_id))
-        rows.append({"id": attempt_id, "job_id": rec.id, "number": rec.attempt, "worker": worker,
-                     "lease_generation": rec.lease_generation,
-                     "started_at": max(now, rec.due_at)})
-    conn.execute(_INSERT_ATTEMPT, rows)
-    return opened
-
-
-def _with_attempt(rec: JobRecord, attempt_id: uuid.UUID) -> JobRecord:
-    values = {name: getattr(rec, name) for name in JobRecord.__slots__}
-    values["attempt_id"] = attempt_id
-    return JobRecord(**values)
-
-
-def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> str:
+def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> Discard:
     """Name the reason a start matched no row, for logs and metrics."""
     row = conn.execute(
         select(job.c.state, job.c.version, job.c.due_at, job.c.expires_at)
         .where(job.c.id == message.job_id)
     ).first()
     if row is None:
-        return "unknown_job"
+        return Discard.UNKNOWN_JOB
     state, version, due_at, expires_at = row
     refused = _not_runnable(message, state, version)
     if refused is not None:
         return refused
     if due_at > now:
-        return "not_due"
+        return Discard.NOT_DUE
     if expires_at is not None and expires_at <= now:
-        return "expired"
-    return "locked"
+        return Discard.EXPIRED
+    return Discard.LOCKED
 
 
-def _not_runnable(message: JobMessage, state: str, version: int) -> str | None:
+def _not_runnable(message: JobMessage, state: str, version: int) -> Discard | None:
     """Why a message cannot run the job in this state and version (None: it can)."""
     if state == JobState.CANCELLED:
-        return "cancelled"
+        return Discard.CANCELLED
     if version != message.version:
-        return "stale_version"
+        return Discard.STALE_VERSION
     if state not in STARTABLE_STATES:
-        return "already_" + str(state).lower()
+        return Discard.already(state)
     return None
 
 
 def check_early(conn: Connection, messages: Sequence[JobMessage]
-                ) -> list[tuple[str | None, datetime | None]]:
+                ) -> list[tuple[Discard | None, datetime | None]]:
     """For messages that came before their due time, before any of them is
     held or deferred: per message, why to discard it (``unknown_job``,
     ``stale_version``, ``cancelled``, ``already_<state>``, ``forged``: the
@@ -754,15 +168,15 @@ def check_early(conn: Connection, messages: Sequence[JobMessage]
     rows = {row.id: row for row in conn.execute(
         select(job.c.id, job.c.state, job.c.version, job.c.due_at, job.c.task, job.c.queue)
         .where(job.c.id.in_(list({m.job_id for m in messages}))))}
-    out: list[tuple[str | None, datetime | None]] = []
+    out: list[tuple[Discard | None, datetime | None]] = []
     for message in messages:
         row = rows.get(message.job_id)
         if row is None:
-            out.append(("unknown_job", None))
+            out.append((Discard.UNKNOWN_JOB, None))
             continue
         refused = _not_runnable(message, row.state, row.version)
         if refused is None and (row.task, row.queue) != (message.task, message.queue):
-            refused = "forged"  # deferred, it would go where the forger says
+            refused = Discard.FORGED  # deferred, it would go where the forger says
         out.append((refused, None) if refused is not None else (None, row.due_at))
     return out
 
@@ -771,7 +185,7 @@ def give_back(conn: Connection, *, job_id: uuid.UUID, version: int, now: datetim
     """An ENQUEUED job whose message a worker could not put back in the
     broker (a deferral the broker refused) returns to SCHEDULED, fenced by
     version, and the relay publishes it again when due."""
-    return conn.execute(_by_primary_key(
+    return conn.execute(by_primary_key(
         update(job)
         .where(job.c.id == job_id, job.c.version == version, job.c.state == JobState.ENQUEUED)
         .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None, updated_at=now)
@@ -851,7 +265,7 @@ _LEASES = (
 )
 # One lock order for every transaction: no deadlock among them.
 _LOCK_LEASED = _LEASES.order_by(job.c.id).with_for_update()
-_COMPLETE_MANY = _by_primary_key(update(job).where(
+_COMPLETE_MANY = by_primary_key(update(job).where(
     job.c.id.in_(bindparam("ids", expanding=True)), job.c.state == JobState.RUNNING,
 ).values(state=JobState.SUCCEEDED, finished_at=_p("f_now", job.c.finished_at),
          lease_owner=None, lease_until=None, updated_at=_p("f_now", job.c.updated_at)))
@@ -863,7 +277,8 @@ _FINISH_ATTEMPTS = (
 )
 
 
-def lock_leased(conn: Connection, records: Sequence[JobRecord]) -> dict[uuid.UUID, str]:
+def lock_leased(conn: Connection, records: Sequence[JobRecord]
+                ) -> dict[uuid.UUID, LeaseVerdict]:
     """Lock the jobs' rows until the transaction ends and say, per job id,
     whether its lease still holds: ``held``, ``cancelled`` or ``lost``
     (taken over, finished, rescheduled).  On SQLite the transaction's write
@@ -872,7 +287,7 @@ def lock_leased(conn: Connection, records: Sequence[JobRecord]) -> dict[uuid.UUI
 
 
 def lease_states(conn: Connection, records: Sequence[JobRecord], *, lock: bool = False
-                 ) -> dict[uuid.UUID, str]:
+                 ) -> dict[uuid.UUID, LeaseVerdict]:
     """:func:`lock_leased`, also as a plain read (``lock=False``): the
     re-read of jobs leased ahead of their due time, many in one statement."""
     stmt = _LOCK_LEASED if lock else _LEASES
@@ -884,11 +299,11 @@ def lease_states(conn: Connection, records: Sequence[JobRecord], *, lock: bool =
                                 and row.lease_owner == rec.lease_owner
                                 and row.lease_generation == rec.lease_generation
                                 and row.version == rec.version):
-            verdict[rec.id] = "held"
+            verdict[rec.id] = LeaseVerdict.HELD
         elif row is not None and row.state == JobState.CANCELLED:
-            verdict[rec.id] = "cancelled"
+            verdict[rec.id] = LeaseVerdict.CANCELLED
         else:
-            verdict[rec.id] = "lost"
+            verdict[rec.id] = LeaseVerdict.LOST
     return verdict
 
 
@@ -898,7 +313,7 @@ def renew_leases(conn: Connection, records: Sequence[JobRecord], *, now: datetim
     and generation): the ids renewed.  Jobs waiting in a worker for a free
     executor keep their leases this way."""
     keys = [(r.id, r.lease_owner, r.lease_generation) for r in records]
-    stmt = _by_primary_key(
+    stmt = by_primary_key(
         update(job)
         .where(job.c.id.in_([r.id for r in records]),
                tuple_(job.c.id, job.c.lease_owner, job.c.lease_generation).in_(keys),
@@ -935,12 +350,13 @@ def finish_attempt_bound(rec: JobRecord, now: datetime, outcome: str
 
 def finish_attempt_stmt(
     rec: JobRecord, now: datetime, outcome: str, error_class: str | None = None,
-    error: str | None = None,
+    error: str | None = None, traceback: str | None = None,
 ) -> Update:
     return (
         update(attempt)
         .where(attempt.c.id == rec.attempt_id, attempt.c.outcome.is_(None))
-        .values(outcome=outcome, finished_at=now, error_class=error_class, error=error)
+        .values(outcome=outcome, finished_at=now, error_class=error_class, error=error,
+                traceback=traceback)
     )
 
 
@@ -977,36 +393,26 @@ def counts_by_state(conn: Connection) -> dict[str, int]:
     return {str(state): int(n) for state, n in rows}
 
 
-
-
 __all__ = [
     "LEASED_STATES",
-    "EnqueuedRef",
     "JobRecord",
-    "Recovered",
-    "Refusal",
-    "any_too_late",
     "check_early",
     "checkpoint_stmt",
-    "claim_for_dispatch",
-    "claim_for_run",
-    "claim_selected",
+    "complete_after_claim",
+    "complete_bound",
+    "complete_locked",
+    "counts_by_state",
     "dead_stmt",
-    "enqueued_page",
-    "expire",
-    "expire_overdue",
+    "finish_attempt_bound",
     "finish_attempt_stmt",
     "give_back",
     "heartbeat_stmt",
-    "mark_and_claim",
-    "mark_enqueued",
-    "next_due",
-    "recover",
-    "recover_owned",
-    "refuse",
-    "release",
-    "requeue_lost",
+    "lease_states",
+    "lock_leased",
+    "renew_leases",
     "retry_stmt",
     "start",
+    "start_many",
+    "unclaim_run",
     "why_not_started",
 ]

@@ -13,7 +13,7 @@ When the process dies (SIGKILL, OOM, a crash) the server ends its session
 (``info.liveness``), and every lease it takes is owned by ``<name>#<n>``.
 A peer (the relay's recovery pass) that finds a registered process's lock
 free twice, at least :data:`CONFIRM_AFTER` apart, knows it is gone and
-returns its leased jobs at once (core/jobstore.py ``recover_owned``),
+returns its leased jobs at once (core/recovery.py ``recover_owned``),
 instead of waiting for their leases to expire.
 
 Why this is safe even when the verdict is wrong (docs/design.md, "Liveness"):

@@ -172,3 +172,24 @@ def kind_of(exc: BaseException) -> str:
     cause = exc.__cause__
     name = type(exc).__name__
     return f"{name}<{type(cause).__name__}>" if cause is not None else name
+
+
+def job_fields(job: Any) -> dict[str, Any]:
+    """The ``extra`` of a log line about one job: what ``--log-format json``
+    writes as its fields (``job_id``, ``task``, ``queue``, ``attempt``)."""
+    return {"job_id": str(job.id), "task": job.task, "queue": job.queue,
+            "attempt": job.attempt}
+
+
+def log_traced(logger: logging.Logger, level: int, traceback_text: str | None, msg: str,
+               *args: Any, extra: dict[str, Any] | None = None) -> None:
+    """Log ``msg`` with a traceback, as ``exc_info`` would, but one given as
+    text: the worker's is bounded and masked like the payload (formatting
+    the exception again would show what the task's mask hook hides).  Every
+    formatter appends ``exc_text`` the way it appends a formatted exception."""
+    if not logger.isEnabledFor(level):
+        return
+    fn, lno, func, _ = logger.findCaller(stacklevel=2)
+    record = logger.makeRecord(logger.name, level, fn, lno, msg, args, None, func, extra)
+    record.exc_text = traceback_text or None
+    logger.handle(record)

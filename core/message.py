@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .errors import MessageDecodeError
+from .states import Discard
 
 FORMAT = "duebox/1"
 
@@ -181,10 +182,11 @@ class JobMessage:
         raw = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
         if len(raw) > limit:
             raise MessageDecodeError("body", f"must be at most {limit} bytes (the broker's "
-                                     "message limit)", f"{len(raw)} bytes", reason="too_large")
+                                     "message limit)", f"{len(raw)} bytes",
+                                     reason=Discard.TOO_LARGE)
         if too_deep(raw):
             raise MessageDecodeError("body", f"must nest at most {MAX_JSON_DEPTH} levels deep",
-                                     raw[:40], reason="too_deep")
+                                     raw[:40], reason=Discard.TOO_DEEP)
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as exc:

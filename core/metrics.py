@@ -28,7 +28,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, case, func, select
 
+from . import claims
 from .db import SQLITE_DEFERRED
+from .heartbeat import ProcessRow, alive, expired_names
 from .states import JobState
 from .tables import job
 
@@ -221,15 +223,6 @@ class Group:
 
 
 @dataclass
-class ProcessRow:
-    name: str
-    role: str
-    heartbeat_at: datetime | None
-    expires_at: datetime
-    info: dict[str, Any]
-
-
-@dataclass
 class Snapshot:
     at: datetime
     queues: dict[str, Group]
@@ -255,8 +248,6 @@ def read_snapshot(
     """Backlog, in-flight and DLQ per queue and per tenant, and the live
     processes: three capped scans of the ``(state, due_at)`` index and one
     read of the (small) process registry."""
-    from .heartbeat import alive, expired_names
-
     queues: dict[str, Group] = {}
     tenants: dict[str, Group] = {}
     capped = False
@@ -266,7 +257,7 @@ def read_snapshot(
                 tenants.setdefault(_tenant_key(tenant), Group()))
 
     due = (select(job.c.queue, job.c.tenant, job.c.due_at)
-           .where(job.c.state == JobState.SCHEDULED, job.c.due_at <= now)
+           .where(claims.due(now))
            .order_by(job.c.due_at).limit(cap).subquery())
     late = now - timedelta(seconds=overdue_after)
     rows = conn.execute(
@@ -422,7 +413,6 @@ __all__ = [
     "DBCollector",
     "Group",
     "Metrics",
-    "ProcessRow",
     "Snapshot",
     "SnapshotCollector",
     "process_metrics",

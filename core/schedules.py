@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from sqlalchemy import Row, delete, select, update
 
@@ -36,7 +36,6 @@ from .cron import (
     check_policy,
 )
 from .db import insert_if_absent
-from .dlq import check_operator
 from .errors import ValidationError
 from .ids import uuid7
 from .producer import (
@@ -52,10 +51,26 @@ from .registry import check_queue_name
 from .states import JobState
 from .tables import audit, job, schedule
 from .targets import AsyncTarget, SyncTarget
-from .values import check_optional_str, check_text, seconds_of
+from .values import check_operator, check_optional_str, check_text, seconds_of
 
 if TYPE_CHECKING:
-    from .app import Duebox
+    from .clock import Clock
+    from .config import Settings
+    from .tasks import Task
+
+
+class _App(Protocol):
+    """What schedules use of the application (``Duebox``, which owns them:
+    typed by shape so this module need not import it)."""
+
+    settings: Settings
+
+    @property
+    def clock(self) -> Clock: ...
+
+    def get_task(self, name: str) -> Task: ...
+
+    def payload_limit(self) -> tuple[int, str]: ...
 
 MISFIRE_POLICIES = ("fire_once", "fire_all", "skip")
 OVERLAP_POLICIES = ("allow", "skip", "queue")
@@ -268,7 +283,7 @@ def _history_steps(ref: object, limit: int) -> Steps[list[Row[Any]]]:
 class Schedules:
     """``app.schedules``: add, inspect, pause, resume and delete schedules."""
 
-    def __init__(self, app: Duebox) -> None:
+    def __init__(self, app: _App) -> None:
         self._app = app
 
     # Each method returns its result for a sync target and a coroutine for an

@@ -32,3 +32,40 @@ STARTABLE_STATES = frozenset({JobState.SCHEDULED, JobState.DISPATCHING, JobState
 # States that hold a lease which the recovery scan may expire.
 LEASED_STATES = frozenset({JobState.DISPATCHING, JobState.ENQUEUED, JobState.RUNNING})
 RESCHEDULABLE_STATES = STARTABLE_STATES
+
+
+class LeaseVerdict(StrEnum):
+    """Whether a worker's lease on a job still holds, read under the lock
+    or just before a job held ahead of its due time runs."""
+
+    HELD = "held"
+    CANCELLED = "cancelled"  # the job was cancelled meanwhile
+    LOST = "lost"  # taken over, finished or rescheduled
+
+
+class Discard(StrEnum):
+    """Why a delivered message does not start its job (the worker drops
+    it, or looks again later); also the ``reason`` label of the discard
+    metric and of a backend's ``reject``."""
+
+    UNKNOWN_JOB = "unknown_job"
+    STALE_VERSION = "stale_version"  # the job moved on (retried, rescheduled)
+    CANCELLED = "cancelled"
+    FORGED = "forged"  # the right id naming another task or queue
+    EXPIRED = "expired"  # past expires_at
+    NOT_DUE = "not_due"  # early: looked at again when due
+    LOCKED = "locked"  # the row was busy, not gone: looked at again shortly
+    DEFER_REFUSED = "defer_refused"  # the broker would not take an early message back
+    UNDECODABLE = "undecodable"
+    TOO_LARGE = "too_large"
+    TOO_DEEP = "too_deep"
+    ALREADY_RUNNING = "already_running"
+    ALREADY_SUCCEEDED = "already_succeeded"
+    ALREADY_DEAD = "already_dead"
+    ALREADY_EXPIRED = "already_expired"
+    ALREADY_CANCELLED = "already_cancelled"
+
+    @classmethod
+    def already(cls, state: str) -> Discard:
+        """The job is past the states a message can start it from."""
+        return cls("already_" + str(state).lower())

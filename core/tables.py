@@ -179,6 +179,8 @@ attempt = Table(
     Column("error", Text, nullable=True),
     _dt("started_at", nullable=False),
     _dt("finished_at"),
+    # Added by migration 0006: the failure's traceback, bounded and masked.
+    Column("traceback", Text, nullable=True),
     Index("ix_duebox_attempt_job", "job_id", "number"),
 )
 

@@ -4,7 +4,7 @@ The relay's recovery pass (every ``recover_interval``, 1 s) asks
 :meth:`Takeover.find` which registered processes are confirmed dead: one
 read of the registry and one look at all their locks, whatever the number
 of jobs.  For each it returns the dead process's leased jobs at once
-(:meth:`Takeover.recover`: ``jobstore.recover_owned``, fenced on the owner),
+(:meth:`Takeover.recover`: ``recovery.recover_owned``, fenced on the owner),
 the caller lets the broker hand on the messages the process had received
 (``Broker.take_over``), and :meth:`Takeover.forget` drops its registry row.
 A dead process's row stays until all three are done, so a failure in between
@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, select
 
-from . import jobstore
+from . import recovery
 from .db import db_errors
 from .heartbeat import watched
 from .liveness import DeathWatch, forget, supported
@@ -67,16 +67,16 @@ class Takeover:
                                    info=dict(info) if isinstance(info, dict) else {}))
         return out
 
-    def recover(self, dead: DeadProcess) -> jobstore.Recovered:
+    def recover(self, dead: DeadProcess) -> recovery.Recovered:
         """Every job ``dead`` still holds a lease on, back to SCHEDULED now."""
         counts = [0, 0, 0]
         while True:
             with db_errors("recover a dead process's jobs"), self.engine.begin() as conn:
-                got = jobstore.recover_owned(conn, process=dead.name, now=self.clock.now(),
+                got = recovery.recover_owned(conn, process=dead.name, now=self.clock.now(),
                                              limit=self.limit)
             counts = [counts[0] + got.dispatching, counts[1] + got.running, counts[2] + got.dead]
             if got.dispatching < self.limit and got.running + got.dead < self.limit:
-                return jobstore.Recovered(*counts)
+                return recovery.Recovered(*counts)
 
     def forget(self, dead: DeadProcess) -> None:
         """Drop the dead process's registry row (and lock file): its jobs are

@@ -285,3 +285,27 @@ def check_span(field: str, seconds: float) -> float:
         raise ValidationError(field, f"must be at most {MAX_SPAN.days} days "
                               f"({MAX_SPAN.total_seconds():.0f} s)", seconds)
     return seconds
+
+
+# The audit table's column widths (tables.audit); longer values are refused
+# rather than cut, so what is recorded is what the operator said.
+_OPERATOR_MAX = 200
+_REASON_MAX = 2000
+
+
+def check_operator(operator: object, reason: object) -> tuple[str, str]:
+    """Who and why, both required for an audited action; refused before any
+    write.  Both are shown to operators one line per action (``duebox jobs
+    show``, the dashboard), so neither may carry a newline, ESC or another
+    control or formatting character that could forge or hide a line."""
+    if not isinstance(operator, str) or not operator.strip():
+        raise ValidationError("operator", "an operator identity is required for this action",
+                              operator)
+    if len(operator.strip()) > _OPERATOR_MAX:
+        raise ValidationError("operator", f"must be at most {_OPERATOR_MAX} characters",
+                              operator)
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValidationError("reason", "a reason is required for this action", reason)
+    if len(reason.strip()) > _REASON_MAX:
+        raise ValidationError("reason", f"must be at most {_REASON_MAX} characters", reason)
+    return check_printable("operator", operator.strip()), check_printable("reason", reason.strip())

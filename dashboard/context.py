@@ -15,8 +15,8 @@ from sqlalchemy import Connection
 
 from duebox import Duebox
 from duebox.db import SQLITE_DEFERRED, db_errors
+from duebox.masking import Masked, masked, shown_as_is
 
-from .masking import Masked, masked, shown_as_is
 from .render import esc, notice
 from .security import Guard
 from .web import Request

@@ -9,9 +9,7 @@ a unique-index lookup.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
-import math
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -19,10 +17,10 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, or_, select
 
-from duebox.cli.status_view import _lateness_sample
 from duebox.errors import ValidationError
 from duebox.heartbeat import ROLES
-from duebox.ids import parse_job_id
+from duebox.inspect import id_prefix, prefix_range
+from duebox.inspect_status import lateness_sample, percentile
 from duebox.metrics import IN_FLIGHT_STATES
 from duebox.schedules import ScheduleInfo
 from duebox.states import JobState
@@ -117,11 +115,15 @@ def search_jobs(conn: Connection, f: JobFilter, *, limit: int = 50,
     if f.state:
         conds.append(job.c.state == f.state)
     if f.text:
-        # An id (primary key) or a business key (unique index): at most two rows.
+        # A business key (unique index), or an id or the start of one as the
+        # list shows it, cut with "…" (a primary-key range): one page at most.
         by = [job.c.key == f.text]
-        with contextlib.suppress(ValidationError):  # not an id: the key alone
-            by.append(job.c.id == parse_job_id(f.text, "q"))
-        rows = conn.execute(select(*SEARCH_COLUMNS).where(or_(*by), *conds)).all()
+        digits = id_prefix(f.text)
+        if digits is not None:
+            lo, hi = prefix_range(digits)
+            by.append(and_(job.c.id >= lo, job.c.id <= hi))
+        rows = conn.execute(select(*SEARCH_COLUMNS).where(or_(*by), *conds)
+                            .order_by(job.c.id).limit(limit)).all()
         return JobPage(list(rows), None)
     if after is not None:
         conds.append(or_(job.c.due_at < after.due_at,
@@ -138,14 +140,6 @@ def search_jobs(conn: Connection, f: JobFilter, *, limit: int = 50,
     return JobPage(rows, Cursor(rows[-1].due_at, rows[-1].id) if more and rows else None)
 
 
-def payloads(conn: Connection, ids: list[uuid.UUID]) -> dict[uuid.UUID, Any]:
-    """The payloads of a page of jobs (primary-key lookups)."""
-    if not ids:
-        return {}
-    rows = conn.execute(select(job.c.id, job.c.payload).where(job.c.id.in_(ids))).all()
-    return {r.id: r.payload for r in rows}
-
-
 # --- charts ---------------------------------------------------------------------------
 
 
@@ -157,12 +151,6 @@ class LatenessBucket:
     p99: float | None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return values[max(0, math.ceil(q * len(values)) - 1)]
-
-
 def lateness_buckets(conn: Connection, now: datetime, *, span: float = 3600.0,
                      buckets: int = 12) -> list[LatenessBucket]:
     """Start lateness (start - due) of jobs started in the last ``span``
@@ -171,15 +159,15 @@ def lateness_buckets(conn: Connection, now: datetime, *, span: float = 3600.0,
     width = span / buckets
     first = now - timedelta(seconds=span)
     slices: list[list[float]] = [[] for _ in range(buckets)]
-    for _queue, _tenant, due_at, started_at in _lateness_sample(conn, now, span):
-        i = int((started_at - first).total_seconds() // width)
+    for s in lateness_sample(conn, now, span):
+        i = int((s.started_at - first).total_seconds() // width)
         if 0 <= i < buckets:
-            slices[i].append((started_at - due_at).total_seconds())
+            slices[i].append(s.lateness)
     out = []
     for i, values in enumerate(slices):
         values.sort()
         out.append(LatenessBucket(first + timedelta(seconds=i * width), len(values),
-                                  _percentile(values, 0.50), _percentile(values, 0.99)))
+                                  percentile(values, 0.50), percentile(values, 0.99)))
     return out
 
 

@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from duebox.dlq import check_operator
 from duebox.errors import ValidationError
+from duebox.values import check_operator
 
 from .throttle import Throttle
 from .web import HTTPError, Request

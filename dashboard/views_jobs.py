@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from duebox.cli.inspect_jobs import load_job, timeline, where_now
 from duebox.ids import parse_job_id
+from duebox.inspect import AttemptView, AuditView, JobView, load_job, where_now
+from duebox.masking import Masked
 from duebox.states import JobState
 
 from .context import Dashboard
-from .masking import Masked
 from .queries import Cursor, parse_filter, search_jobs
 from .render import badge, compact_json, esc, link, page, payload_section, seconds, table, ts
 from .web import REF, Request, Response, redirect, route
@@ -60,18 +58,26 @@ def _error_text(m: Masked, text: str | None, limit: int | None = None) -> str:
     return esc((shown or "")[:limit])
 
 
-def _attempts(attempts: list[Any], m: Masked) -> str:
+def _attempts(attempts: list[AttemptView], m: Masked) -> str:
     return table(["#", "outcome", "worker", "started", "finished", "took", "error class",
                   "error"],
                  [[esc(a.number), esc(a.outcome or "running"), esc(a.worker or ""),
                    ts(a.started_at), ts(a.finished_at),
                    seconds((a.finished_at - a.started_at).total_seconds())
                    if a.finished_at else "-",
-                   esc(a.error_class or ""), f"<code>{_error_text(m, a.error, 300)}</code>"]
+                   esc(a.error_class or ""), f"<code>{_error_text(m, a.error, 300)}</code>"
+                   + _traceback(m, a.traceback)]
                   for a in attempts], empty="no attempts yet")
 
 
-def _versions(row: Any, audits: list[Any]) -> str:
+def _traceback(m: Masked, text: str | None) -> str:
+    """An attempt's traceback, folded (masked like its error text)."""
+    if not text or m.text(text) is None:
+        return ""
+    return f"<details><summary>traceback</summary><pre>{_error_text(m, text)}</pre></details>"
+
+
+def _versions(row: JobView, audits: list[AuditView]) -> str:
     """Version 1 is the job as scheduled; each cancel, reschedule or replay
     moved it on (the audit rows say which; a reschedule by the API writes
     none, so the list may be shorter than the version number)."""
@@ -85,12 +91,11 @@ def _versions(row: Any, audits: list[Any]) -> str:
 def job(d: Dashboard, request: Request, job_id: str) -> Response:
     jid = parse_job_id(job_id, "job id")
     detail = load_job(d.app.engine, jid)
-    row, now = detail.row, d.now()
+    row, now = detail.job, d.now()
     m = d.mask(row.task, row.payload)
     events = table(["event", "at (UTC)", "vs due"],
-                   [[esc(name), ts(at), "" if name in ("created", "due")
-                     else seconds((at - row.due_at).total_seconds())]
-                    for name, at in timeline(row)])
+                   [[esc(e.name), ts(e.at), "" if e.late_s is None else seconds(e.late_s)]
+                    for e in detail.timeline()])
     facts = table(["task", "queue", "tenant", "state", "attempt", "version", "key", "priority"],
                   [[esc(row.task), link("/jobs", row.queue, queue=row.queue),
                     esc(row.tenant or ""), badge(row.state),
@@ -103,7 +108,7 @@ def job(d: Dashboard, request: Request, job_id: str) -> Response:
     error = (f'<h2>Last error</h2><p><b>{esc(row.error_class)}</b></p>'
              f"<pre>{_error_text(m, row.last_error)}</pre>" if row.last_error else "")
     live = (f"{facts}<p class=where><b>Where it is now:</b> "
-            f"{esc(where_now(row, d.scheme, now))}</p>"
+            f"{esc(where_now(row, d.app.settings.broker_url, now))}</p>"
             f"<h2>Timeline</h2>{events}<h2>Attempts</h2>{_attempts(detail.attempts, m)}{error}"
             f"<h2>Versions</h2>{_versions(row, detail.audits)}<h2>Audit</h2>{audit_rows}")
     if request.partial:

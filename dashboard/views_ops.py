@@ -9,6 +9,7 @@ from duebox import dlq
 from duebox.cron import Fire, load_zone
 from duebox.errors import ValidationError
 from duebox.ids import parse_job_id
+from duebox.inspect import payloads
 from duebox.metrics import seconds as elapsed
 from duebox.schedules import ScheduleInfo
 
@@ -16,7 +17,6 @@ from .context import Dashboard
 from .queries import (
     in_flight_by_owner,
     named_leases,
-    payloads,
     schedule_audit,
     schedules_page,
 )

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from duebox.cli.status_view import build_report
+from duebox.inspect_status import GroupView, build_report
 
 from .charts import bar_chart, line_chart
 from .context import Dashboard
@@ -16,16 +14,16 @@ _WINDOW = 300.0  # seconds of starts behind "throughput" (as in duebox status)
 _HORIZONS = {"5m": 300.0, "1h": 3600.0, "6h": 6 * 3600.0, "24h": 24 * 3600.0}
 
 
-def _groups(title: str, groups: dict[str, dict[str, Any]], param: str) -> str:
+def _groups(title: str, groups: dict[str, GroupView], param: str) -> str:
     rows = []
     for name, v in groups.items():
         label = link("/jobs", name or "(none)", **{param: name}) if param == "queue" \
             else esc(name or "(none)")
         rows.append([
-            label, esc(v["due_backlog"]), seconds(v["oldest_due_age_s"]), esc(v["in_flight"]),
-            link("/dlq", v["dlq"], queue=name) if param == "queue" else esc(v["dlq"]),
-            f'{v["started_recently"] * 60 / _WINDOW:.1f}',
-            seconds(v["lateness_p50_s"]), seconds(v["lateness_p99_s"])])
+            label, esc(v.due_backlog), seconds(v.oldest_due_age_s), esc(v.in_flight),
+            link("/dlq", v.dlq, queue=name) if param == "queue" else esc(v.dlq),
+            f"{v.started_recently * 60 / _WINDOW:.1f}",
+            seconds(v.lateness_p50_s), seconds(v.lateness_p99_s)])
     return table([title, "due backlog", "oldest due", "in flight", "DLQ", "started/min",
                   "late p50", "late p99"], rows, cls="numbers")
 
@@ -39,13 +37,13 @@ def overview(d: Dashboard, request: Request) -> Response:
     with d.read("dashboard overview") as conn:
         late = lateness_buckets(conn, now)
         ahead = due_ahead(conn, now, horizon=horizon)
-    verdict = ('<p class="verdict ok">healthy</p>' if report["healthy"]
-               else '<p class="verdict bad">unhealthy</p>')
-    problems = "".join(notice(p, "bad") for p in report["problems"])
-    problems += "".join(notice(w, "warn") for w in report["warnings"])
+    look = {"healthy": "ok", "degraded": "warn", "unhealthy": "bad"}[report.verdict]
+    verdict = f'<p class="verdict {look}">{esc(report.verdict)}</p>'
+    problems = "".join(notice(p, "bad") for p in report.problems)
+    problems += "".join(notice(w, "warn") for w in report.warnings)
     states = " ".join(f'<span class=count>{esc(k)} <b>{esc(v)}</b></span>'
-                      for k, v in sorted(report["states"].items())) or "no jobs yet"
-    capped = " (counts capped)" if report["capped"] else ""
+                      for k, v in sorted(report.states.items())) or "no jobs yet"
+    capped = " (counts capped)" if report.capped else ""
     late_chart = line_chart(
         f"start lateness over the last hour ({d.scheme}://)",
         [f"{b.start:%H:%M}" for b in late],
@@ -55,13 +53,13 @@ def overview(d: Dashboard, request: Request) -> Response:
     horizons = " ".join(link("/", k, ahead=k) for k in _HORIZONS)
     live = (
         f"{verdict}{problems}<p class=states>{states}{esc(capped)}</p>"
-        f"<p class=muted>at {esc(report['at'])}, refreshed every {d.refresh:g} s; outbox "
-        f"publication lag {seconds(report['outbox_publication_lag_s'])}</p>"
-        "<h2>Queues</h2>" + _groups("queue", report["queues"], "queue")
-        + "<h2>Tenants</h2>" + _groups("tenant", report["tenants"], "tenant")
+        f"<p class=muted>at {esc(report.at)}, refreshed every {d.refresh:g} s; outbox "
+        f"publication lag {seconds(report.outbox_publication_lag_s)}</p>"
+        "<h2>Queues</h2>" + _groups("queue", report.queues, "queue")
+        + "<h2>Tenants</h2>" + _groups("tenant", report.tenants, "tenant")
         + f"<div class=charts><section><h2>Lateness</h2>{late_chart}</section>"
         f"<section><h2>Coming up</h2>{due_chart}<p>{horizons}</p></section></div>"
-        f"<p>{len(report['relays'])} relay(s) and {len(report['workers'])} worker(s) alive: "
+        f"<p>{len(report.relays)} relay(s) and {len(report.workers)} worker(s) alive: "
         f"{link('/processes', 'details')}</p>")
     if request.partial:
         return Response(body=live)

@@ -25,7 +25,7 @@ import math
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from duebox import jobstore
+from duebox import jobstore, recovery
 from duebox.db import SQLITE_DEFERRED, db_errors
 
 if TYPE_CHECKING:
@@ -118,8 +118,8 @@ class CatchUp:
         now, lateness = self.app.clock.now(), self.lateness()
         reader = self.app.engine.execution_options(**{SQLITE_DEFERRED: True})
         with db_errors("expire"), reader.connect() as conn:
-            if not jobstore.any_too_late(conn, now=now, lateness=lateness):
+            if not recovery.any_too_late(conn, now=now, lateness=lateness):
                 return 0
         with db_errors("expire"), self.app.engine.begin() as conn:
-            return jobstore.expire_overdue(conn, now=now, lateness=lateness,
+            return recovery.expire_overdue(conn, now=now, lateness=lateness,
                                            limit=self.batch_size)

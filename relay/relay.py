@@ -6,9 +6,10 @@ Each pass:
    outage, release **overdue** jobs first: rate-limited, highest priority
    first, too-late ones expired (relay/catchup.py).
 1. **Claim** a bounded batch in a short transaction: ``SCHEDULED`` jobs due by
-   ``now + max_delay (+ hold window)`` become ``DISPATCHING``, leased to a
-   per-claim owner token.  The same predicate parks jobs beyond the broker's
-   ceiling and picks them up as they come near.
+   ``now + max_delay (+ hold window)`` (the claim window: relay/horizon.py;
+   the claim: core/claims.py) become ``DISPATCHING``, leased to a per-claim
+   owner token.  The same predicate parks jobs beyond the broker's ceiling
+   and picks them up as they come near.
 2. **Publish** outside any transaction with delay = ``due_at - now`` clipped to
    ``[0, max_delay]`` and rounded *up* to the broker's precision.  Jobs the
    broker cannot delay long enough (Kafka: not at all) are held in a heap,
@@ -27,35 +28,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import logging
-import math
 import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from datetime import datetime
+from typing import TYPE_CHECKING
 
-from duebox import jobstore
+from duebox import claims, dispatched, jobstore
 from duebox.brokers.base import Broker, Outgoing, PublishingBroker, open_broker
+from duebox.config import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
+from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
-from duebox.heartbeat import ProcessHeartbeat, prune
-from duebox.holding import Hold
+from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
-from duebox.metrics import DBCollector, Metrics, process_metrics, seconds
-from duebox.takeover import Takeover
+from duebox.metrics import DBCollector, Metrics, process_metrics
+from duebox.timing import NEAR_WINDOW
+from duebox.waiting import wait_any
 
 from .catchup import CatchUp
-from .fairness import DispatchPolicy
+from .held import HeldJobs
+from .horizon import Horizon
+from .reconcile import Reconciler
+from .recovering import LeaseRecovery
 from .refusals import Refusals
 from .scale import ScaleControls
 from .schedules import ScheduleStep
 from .shards import ShardConfig
+from .stats import PassStats, RelayMetrics, RelayTotals, collect
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -63,52 +69,6 @@ if TYPE_CHECKING:
     from duebox.app import Duebox
 
 log = logging.getLogger("duebox.relay")
-
-# Reconciliation pages (of ``batch_size`` jobs) per pass while a sweep runs.
-_SWEEP_PAGES_PER_PASS = 4
-
-# While the relay runs, jobs due within this many seconds are held in memory
-# (still leased in the database) and published on a precise timer rather than
-# through the broker's delay, whose granularity (TTL tiers, a mover's wake-up,
-# a consumer's poll) makes them late by tens of milliseconds.  The lease of a
-# held job covers the window, so a crashed relay's held jobs are recovered.
-_NEAR_WINDOW = 15.0
-# At most this many held jobs (per relay): beyond it, the broker's delay.
-_HOLD_LIMIT = 20_000
-# Which backends hold near-due jobs, and how long before due they publish
-# them, is the broker's ``Capabilities.publish_lead`` (Kafka has no delay,
-# RabbitMQ's TTL tiers are coarse).  Redis's own timer (the consumer's mover,
-# woken at the earliest score) is as precise and keeps the relay off the
-# critical path; memory:// is exact; sqs:// delays are whole seconds.
-
-
-@dataclass
-class PassStats:
-    claimed: int = 0
-    published: int = 0
-    marked: int = 0
-    lost_marks: int = 0
-    held: int = 0
-    expired: int = 0
-    failed: int = 0
-    recovered: int = 0
-    reconciled: int = 0
-    occurrences: int = 0  # schedule occurrences generated
-    caught_up: int = 0  # overdue jobs claimed by the rate-limited catch-up claim
-    fenced: int = 0  # claimed jobs dropped unpublished: their shard lease was lost
-
-
-@dataclass
-class RelayTotals(PassStats):
-    passes: int = 0
-    errors: int = 0
-
-
-@dataclass(frozen=True)
-class _Held:
-    record: jobstore.JobRecord
-    owner: str
-
 
 class Relay:
     """Moves due jobs from the database to the broker.  Run as many as you like:
@@ -127,7 +87,7 @@ class Relay:
         metrics: Metrics | None = None,
         heartbeat_interval: float = 5.0,
         collect_interval: float = 5.0,
-        near_window: float = _NEAR_WINDOW,
+        near_window: float = NEAR_WINDOW,
         lead: float | None = None,
         policy: DispatchPolicy | None = None,
         shards: ShardConfig | None = None,
@@ -151,24 +111,15 @@ class Relay:
         # The precise timer runs only inside run(); a bare run_pass() hands
         # every job to the broker's own delay (Kafka's still waits in _held).
         self._timer: asyncio.Task[None] | None = None
-        self._held_changed = asyncio.Event()
         self.max_delay = max_delay
-        self.precision = caps.delay_precision
-        self.recover_interval = recover_interval
-        self.totals = RelayTotals()
-        self._held: Hold[_Held] = Hold()
+        self._held = HeldJobs(lead=self.lead, max_delay=max_delay,
+                              precision=caps.delay_precision)
         # One publish at a time, in the order they were decided: the timer's
         # releases and a pass's batches would otherwise interleave, and a
         # relay publishes the jobs of one ordering key in due-time order
         # (Capabilities.ordering).  asyncio.Lock wakes its waiters in order.
         self._publishing = asyncio.Lock()
         self._claims = itertools.count()
-        self._last_recover = -math.inf
-        self.reconcile_interval = reconcile_interval
-        self._reconciles = self.publisher is not None
-        self._last_reconcile = -math.inf
-        self._sweep: tuple[datetime, uuid.UUID] | None = None
-        self._sweeping = False
         self.schedules = ScheduleStep(app, self.batch_size)
         self.catchup = CatchUp(app, self.batch_size)
         # Operating at scale (docs/scale.md): fair, rate-limited claims and
@@ -179,23 +130,39 @@ class Relay:
                 "workers claim rows from the job table themselves and are not sharded "
                 "(SKIP LOCKED partitions the rows between them): pass no shards")
         self.scale = ScaleControls(app, self.name, policy, shards)
+        self.horizon = Horizon(max_delay=max_delay, hold_window=hold_window,
+                               lease_seconds=app.settings.lease_seconds, catchup=self.catchup,
+                               scale=self.scale)
+        self.reconciler = Reconciler(app, self.broker, self.batch_size, reconcile_interval,
+                                     active=self.publisher is not None)
         # Observability (docs/observability.md): event metrics, the periodic
         # database snapshot and this relay's registry row.
-        self.metrics = metrics or process_metrics()
         self.backend = caps.name
-        self._by_queue: dict[str, tuple[Any, Any, Any]] = {}
-        self._dispatch_lag = self.metrics.dispatch_lag.labels(self.backend)
+        self.observe = RelayMetrics(metrics or process_metrics(), self.backend)
         # Batches the broker confirmed, not yet marked ENQUEUED: (claim owner,
         # ids); the next claim's transaction marks them (see _pipeline).
         self._unmarked: list[tuple[str, list[uuid.UUID]]] = []
         self.collector = DBCollector(self.metrics, interval=collect_interval)
+        snapshot = functools.partial(collect, app, self.collector, self.scale)
         self._log = CollapsedLog(log)
         self.refusals = Refusals(app, self.name, self._log)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
-            info=self._info, tick=self._collect, tick_interval=collect_interval)
-        # Dead relays' and workers' jobs, taken over at once (core/takeover.py).
-        self.takeover = Takeover(app.engine, app.clock, self.batch_size, self.name)
+            info=self.observe.info, tick=snapshot, tick_interval=collect_interval)
+        self.recovery = LeaseRecovery(app, self.broker, self.batch_size, self.name,
+                                      recover_interval)
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.observe.metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics) -> None:
+        self.observe.use(metrics)
+
+    @property
+    def totals(self) -> RelayTotals:
+        return self.observe.totals
 
     # --- one pass ------------------------------------------------------------
 
@@ -203,27 +170,23 @@ class Relay:
         stats = PassStats()
         if self._held:  # held jobs now due go first: the rest of the pass takes time
             await self._release_held(stats)
-        if self._recover_wait() <= 0:
-            self._last_recover = time.monotonic()
-            for recovered in (await asyncio.to_thread(self._recover), await self._take_over()):
+        if self.recovery.wait() <= 0:
+            for recovered in await self.recovery.step():
                 stats.recovered += recovered.total
-                for kind in ("dispatching", "running", "dead", "enqueued"):
-                    if getattr(recovered, kind):
-                        self.metrics.recovered.labels(kind).inc(getattr(recovered, kind))
+                self.observe.recovered({kind: getattr(recovered, kind) for kind in
+                                        ("dispatching", "running", "dead", "enqueued")})
             stats.expired += await asyncio.to_thread(self.catchup.sweep)
         stats.occurrences = await self.schedules.run()
         if self.publisher is not None:
-            if self._reconciles:
-                stats.reconciled = await self._reconcile()
+            stats.reconciled = await self.reconciler.step()
             if self.scale.shards is not None:
-                await asyncio.to_thread(self.scale.step_shards,
-                                        [h.record.id for h in self._held])
+                await asyncio.to_thread(self.scale.step_shards, self._held.ids())
             if self.scale.fair is None:  # fair mode: overdue jobs are in the fair claim
                 await self._catch_up(stats)
             await self._pipeline(stats)
             await self._release_held(stats)
             self.scale.observe(self.metrics)
-        self._add(stats)
+        self.observe.add(stats)
         return stats
 
     async def _catch_up(self, stats: PassStats) -> None:
@@ -268,8 +231,8 @@ class Relay:
                 ready, claimed_at = await self._sort(records, owner, stats)
                 claimed = records
                 records = []  # sorted: held or being sent, no longer ours to hand back
-                earliest = self._held.earliest()
-                if ready and earliest is not None and earliest <= claimed_at:
+                release = self._held.next_release()
+                if ready and release is not None and release <= claimed_at:
                     # Held jobs due before these (a late timer): published first.
                     await self._release_held(stats)
                 sending = asyncio.create_task(self._send_then_mark_later(
@@ -287,7 +250,7 @@ class Relay:
                     await sending
             if records:  # claimed, never published: back to SCHEDULED at once
                 with contextlib.suppress(DatabaseError):
-                    await asyncio.to_thread(self._db, jobstore.release, owner,
+                    await asyncio.to_thread(self._db, dispatched.release, owner,
                                             [r.id for r in records])
             with contextlib.suppress(DatabaseError):
                 await self._flush_marks(stats)
@@ -333,7 +296,7 @@ class Relay:
         now = self.app.clock.now()
         fence = self.scale.fence(now)
         with db_errors("mark"), self.app.engine.begin() as conn:
-            return [jobstore.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence)
+            return [dispatched.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence)
                     for owner, ids in marks]
 
     def _claim(self, owner: str, catchup: int = 0) -> list[jobstore.JobRecord]:
@@ -347,35 +310,26 @@ class Relay:
         ``marks`` (``(claim owner, published ids)``); returns the rows each
         mark changed and the claimed records."""
         now = self.app.clock.now()
-        horizon = now + timedelta(seconds=(self.max_delay or 0.0) + self.hold_window)
-        if self.max_delay is None:
-            horizon = datetime.max.replace(tzinfo=now.tzinfo)
-        # Long enough for a held job to be published: the nearer of the
-        # claim's horizon and the hold window.
-        ahead = min(self._near(), (self.max_delay or 0.0) + self.hold_window)
-        lease = self.app.settings.lease_seconds + max(self.hold_window, ahead)
-        overdue = self.catchup.threshold(now)
-        fence = self.scale.fence(now)
-        horizon = self.scale.horizon(now, horizon, self.hold_window)
+        w = self.horizon.window(now, self._near())
         fair = self.scale.fair is not None and not catchup
         with db_errors("claim"), self._claim_connection(fair) as conn:
             if catchup:
-                return jobstore.mark_and_claim(
-                    conn, marks=marks, owner=owner, horizon=overdue, limit=catchup, now=now,
-                    lease_until=now + timedelta(seconds=lease), priority_first=True,
-                    fence=fence,
+                return dispatched.mark_and_claim(
+                    conn, marks=marks, owner=owner, horizon=w.backlog_until, limit=catchup,
+                    now=now, lease_until=w.lease_until, priority_first=True, fence=w.fence,
                 )
             limit = self.scale.backpressure.limit(self.batch_size)
             if self.scale.fair is not None:
-                counts = [jobstore.mark_enqueued(conn, owner=o, ids=ids, now=now, fence=fence)
+                counts = [dispatched.mark_enqueued(conn, owner=o, ids=ids, now=now,
+                                                   fence=w.fence)
                           for o, ids in marks]
                 return counts, self.scale.fair.claim(
-                    conn, owner=owner, horizon=horizon, after=None, now=now,
-                    lease_until=now + timedelta(seconds=lease), limit=limit, fence=fence,
+                    conn, owner=owner, horizon=w.horizon, after=None, now=now,
+                    lease_until=w.lease_until, limit=limit, fence=w.fence,
                 )
-            return jobstore.mark_and_claim(
-                conn, marks=marks, owner=owner, horizon=horizon, limit=limit, now=now,
-                lease_until=now + timedelta(seconds=lease), after=overdue, fence=fence,
+            return dispatched.mark_and_claim(
+                conn, marks=marks, owner=owner, horizon=w.horizon, limit=limit, now=now,
+                lease_until=w.lease_until, after=w.backlog_until, fence=w.fence,
             )
 
     @contextlib.contextmanager
@@ -399,31 +353,15 @@ class Relay:
         ready, claimed_at = await self._sort(records, owner, stats)
         await self._publish(ready, owner, stats, claimed_at=claimed_at)
 
-    def _queue_metrics(self, queue: str) -> tuple[Any, Any, Any]:
-        """The per-queue metric children (claimed, scheduling lag, published):
-        ``labels()`` per job cost more than the rest of the bookkeeping."""
-        found = self._by_queue.get(queue)
-        if found is None:
-            m, b = self.metrics, self.backend
-            found = self._by_queue[queue] = (m.claimed.labels(b, queue),
-                                             m.scheduling_lag.labels(b, queue),
-                                             m.published.labels(b, queue))
-        return found
-
     async def _sort(self, records: list[jobstore.JobRecord], owner: str, stats: PassStats
                     ) -> tuple[list[jobstore.JobRecord], datetime]:
         """Metrics of a fresh claim; expire the too-late jobs, hold the
         near-due ones; returns the ones to publish now and the claim time."""
         now = self.app.clock.now()
-        counts: dict[str, int] = {}
-        for rec in records:  # claimed just now: claim - due, 0 when claimed ahead
-            counts[rec.queue] = counts.get(rec.queue, 0) + 1
-            self._queue_metrics(rec.queue)[1].observe(seconds(now, rec.due_at))
-        for queue, n in counts.items():
-            self._queue_metrics(queue)[0].inc(n)
+        self.observe.claimed(records, now)
         expired = [r.id for r in records if self.catchup.too_late(r, now)]
         if expired:
-            stats.expired += await asyncio.to_thread(self._db, jobstore.expire, owner, expired)
+            stats.expired += await asyncio.to_thread(self._db, dispatched.expire, owner, expired)
         ready = []
         for rec in records:
             if expired and self.catchup.too_late(rec, now):
@@ -431,10 +369,9 @@ class Relay:
             if rec.due_at <= now:  # due: published now whatever the hold rules say
                 ready.append(rec)
                 continue
-            release_at = self._release_time(rec, now)
+            release_at = self._held.release_time(rec, now, self._near())
             if release_at > now:
-                if self._held.push(release_at, _Held(rec, owner)):
-                    self._held_changed.set()  # the timer sleeps until the earliest
+                self._held.hold(rec, owner, release_at)
                 stats.held += 1
             else:
                 ready.append(rec)
@@ -443,43 +380,13 @@ class Relay:
     def _near(self) -> float:
         return self.near_window if self._timer is not None else self.hold_window
 
-    def _release_time(self, rec: jobstore.JobRecord, now: datetime) -> datetime:
-        """When to publish ``rec``: near-due jobs just before their due time
-        (on the timer, while held jobs fit in memory), others as soon as the
-        broker can delay them long enough."""
-        if ((rec.due_at - now).total_seconds() <= self._near()
-                and len(self._held) < _HOLD_LIMIT):
-            return rec.due_at - timedelta(seconds=self.lead)
-        if self.max_delay is None:
-            return rec.due_at - timedelta(days=36500)
-        return rec.due_at - timedelta(seconds=self.max_delay)
-
     async def _release_held(self, stats: PassStats) -> None:
-        # Popped and sent in one turn, so nothing decided later overtakes them;
-        # in runs of one claim's jobs, in release order (grouping a claim's
-        # jobs together would send a later claim's earlier jobs after them).
+        # Popped and sent in one turn, so nothing decided later overtakes them.
         async with self._publishing:
-            now = self.app.clock.now()
-            runs: list[tuple[str, list[jobstore.JobRecord]]] = []
-            for item in self._held.take_all(now):
-                if runs and runs[-1][0] == item.owner:
-                    runs[-1][1].append(item.record)
-                else:
-                    runs.append((item.owner, [item.record]))
             sent = [(owner, await self._send_in_turn(recs, owner, stats, None))
-                    for owner, recs in runs]
+                    for owner, recs in self._held.take_due(self.app.clock.now())]
         for owner, ok in sent:
             await self._mark(owner, ok, stats)
-
-    def _delay_for(self, rec: jobstore.JobRecord, now: datetime) -> float:
-        remaining = (rec.due_at - now).total_seconds()
-        if remaining <= self.lead:  # released by the timer: the worker holds the rest
-            return 0.0
-        if self.max_delay is not None:
-            remaining = min(remaining, self.max_delay)
-        # Round up to the broker's precision: late by a tick, never early.
-        ticks = math.ceil(remaining / self.precision - 1e-9)
-        return ticks * self.precision
 
     async def _publish(self, records: list[jobstore.JobRecord], owner: str,
                        stats: PassStats, claimed_at: datetime | None = None) -> None:
@@ -488,7 +395,7 @@ class Relay:
     async def _mark(self, owner: str, ok: list[uuid.UUID], stats: PassStats) -> None:
         if not ok:
             return
-        marked = await asyncio.to_thread(self._db, jobstore.mark_enqueued, owner, ok,
+        marked = await asyncio.to_thread(self._db, dispatched.mark_enqueued, owner, ok,
                                          fence=self.scale.fence(self.app.clock.now()))
         stats.marked += marked
         stats.lost_marks += len(ok) - marked
@@ -510,7 +417,7 @@ class Relay:
         if not records or self.publisher is None:  # nothing is claimed without one
             return []
         now = self.app.clock.now()
-        batch = [Outgoing(r.to_message(), self._delay_for(r, now)) for r in records]
+        batch = [Outgoing(r.to_message(), self._held.delay(r, now)) for r in records]
         started = time.monotonic()
         try:
             results = await self.publisher.publish(batch)
@@ -520,172 +427,42 @@ class Relay:
                               len(batch), type(exc).__name__, exc)
             stats.failed += len(batch)
             # Back at once, not after their leases: the next pass tries again.
-            await asyncio.to_thread(self._db, jobstore.release, owner, [r.id for r in records])
+            await asyncio.to_thread(self._db, dispatched.release, owner, [r.id for r in records])
             raise
         ok = [r.job_id for r in results if r.ok]
         failed = [r for r in results if not r.ok]
         self.scale.backpressure.observe(len(batch), time.monotonic() - started, refused=len(failed))
         stats.published += len(ok)
-        self._observe_published(records, set(ok), now, claimed_at)
+        self.observe.published(records, set(ok), now, claimed_at, self.lead)
         if failed:
             stats.failed += len(failed)
             await self.refusals.handle(records, owner, failed, len(results))
         return ok
-
-    def _observe_published(self, records: list[jobstore.JobRecord], ok: set[object],
-                           now: datetime, claimed_at: datetime | None) -> None:
-        """Dispatch lag: publish minus the moment the job could be published
-        (its claim, or its release time when it was held)."""
-        lag = self._dispatch_lag
-        lead = timedelta(seconds=self.lead)
-        counts: dict[str, int] = {}
-        for rec in records:
-            if rec.id in ok:
-                # Released by the timer: its release time; published ahead
-                # (the broker delays it) or overdue: the claim.
-                ready = rec.due_at - lead
-                if now < ready or (claimed_at is not None and claimed_at > ready):
-                    ready = claimed_at or now
-                counts[rec.queue] = counts.get(rec.queue, 0) + 1
-                lag.observe(seconds(now, ready))
-        for queue, n in counts.items():
-            self._queue_metrics(queue)[2].inc(n)
 
     def _db(self, fn: object, owner: str, ids: Sequence[object], **kw: object) -> int:
         with db_errors("mark"), self.app.engine.begin() as conn:
             result: int = fn(conn, owner=owner, ids=ids, now=self.app.clock.now(), **kw)  # type: ignore[operator]
             return result
 
-    async def _reconcile(self) -> int:
-        """Jobs the database says are ENQUEUED but the broker no longer holds go
-        back to SCHEDULED (fenced by version) and are claimed again in this
-        pass.  A sweep walks all ENQUEUED jobs in bounded pages, a few per pass."""
-        if not self._sweeping:
-            lost = await self.broker.data_lost()
-            if not lost and time.monotonic() - self._last_reconcile < self.reconcile_interval:
-                return 0
-            if lost:
-                # INFO: on a broker's first use this is routine; the sweep
-                # warns if it finds messages actually missing.
-                log.info("the broker reports it may have lost messages (it restarted "
-                         "empty, or this is its first use); reconciling enqueued jobs now")
-            self._last_reconcile = time.monotonic()
-            self._sweeping, self._sweep = True, None
-        requeued = 0
-        for _ in range(_SWEEP_PAGES_PER_PASS):
-            refs = await asyncio.to_thread(self._enqueued_page, self._sweep)
-            missing = await self.broker.missing(refs)
-            if missing is None:
-                self._reconciles = self._sweeping = False
-                return 0
-            if missing:
-                gone = set(missing)
-                requeued += await asyncio.to_thread(
-                    self._requeue, [r for r in refs if r.id in gone])
-            if len(refs) < self.batch_size:
-                self._sweeping = False
-                break
-            self._sweep = (refs[-1].due_at, refs[-1].id)
-        if requeued:
-            log.warning("%d enqueued jobs were missing from the broker; publishing them again",
-                        requeued)
-        return requeued
-
-    def _enqueued_page(self, after: tuple[datetime, uuid.UUID] | None
-                       ) -> list[jobstore.EnqueuedRef]:
-        with db_errors("reconcile"), self.app.engine.connect() as conn:
-            return jobstore.enqueued_page(conn, after=after, limit=self.batch_size)
-
-    def _requeue(self, refs: list[jobstore.EnqueuedRef]) -> int:
-        with db_errors("reconcile"), self.app.engine.begin() as conn:
-            return jobstore.requeue_lost(conn, refs=refs, now=self.app.clock.now())
-
-    def _recover(self) -> jobstore.Recovered:
-        s = self.app.settings
-        with db_errors("recover"), self.app.engine.begin() as conn:
-            rec = jobstore.recover(
-                conn, now=self.app.clock.now(), margin=s.clock_skew_margin,
-                redeliver_after=s.redeliver_after, limit=self.batch_size,
-            )
-        if rec.total:
-            log.info("recovered expired leases: %s", rec)
-        return rec
-
-    async def _take_over(self) -> jobstore.Recovered:
-        """Processes found dead by their liveness lock (core/liveness.py):
-        their leased jobs back to SCHEDULED now (claimed again in this very
-        pass), the messages a dead worker had received handed on by the
-        broker, then its registry row dropped."""
-        counts = [0, 0, 0]
-        for dead in await asyncio.to_thread(self.takeover.find):
-            got = await asyncio.to_thread(self.takeover.recover, dead)
-            handed = 0
-            if dead.role == "worker":
-                handed = await self.broker.take_over(dead.name, dead.info)
-            await asyncio.to_thread(self.takeover.forget, dead)
-            counts = [counts[0] + got.dispatching, counts[1] + got.running, counts[2] + got.dead]
-            log.warning("%s %s is gone (its database session ended): %d of its jobs recovered "
-                        "now, %d received messages handed on", dead.role, dead.name,
-                        got.total, handed)
-        return jobstore.Recovered(*counts)
-
-    def _recover_wait(self) -> float:
-        """Seconds until the next recovery pass: every ``recover_interval``,
-        and as soon as a process suspected dead can be confirmed so."""
-        wait = self.recover_interval - (time.monotonic() - self._last_recover)
-        confirm = self.takeover.watch.next_look()
-        return wait if confirm is None else min(wait, confirm)
-
-    def _add(self, stats: PassStats, a_pass: bool = True) -> None:
-        m, b = self.metrics, self.backend
-        if a_pass:
-            m.relay_passes.labels(b).inc()
-        for counter, n in ((m.marked, stats.marked), (m.lost_marks, stats.lost_marks),
-                           (m.expired, stats.expired), (m.publish_failed, stats.failed),
-                           (m.reconciled, stats.reconciled)):
-            if n:
-                counter.labels(b).inc(n)
-        t = self.totals
-        t.passes += a_pass
-        for name in PassStats.__dataclass_fields__:
-            setattr(t, name, getattr(t, name) + getattr(stats, name))
-
-    # --- observability ---------------------------------------------------------
-
-    def _info(self) -> dict[str, object]:
-        t = self.totals
-        return {"role": "relay", "backend": self.backend, "passes": t.passes,
-                "claimed": t.claimed, "published": t.published, "errors": t.errors}
-
-    def _collect(self) -> None:
-        """The database snapshot behind the state gauges, and pruning of
-        expired registry rows (run by the heartbeat task)."""
-        now = self.app.clock.now()
-        snap = self.collector.collect(self.app.engine, now)
-        self.scale.observe_workers(snap.processes, self.collector.interval)
-        if snap.expired_processes:
-            with self.app.engine.begin() as conn:
-                prune(conn, now=now, names=snap.expired_processes)
-
     # --- the loop --------------------------------------------------------------
 
     def _seconds_until_next(self) -> float:
         now = self.app.clock.now()
-        waits = [self.app.settings.poll_interval, self._recover_wait()]
-        earliest = self._held.earliest()
-        if earliest is not None and self._timer is None:
-            waits.append((earliest - now).total_seconds())
-        if self._sweeping or self.schedules.pending:
+        waits = [self.app.settings.poll_interval, self.recovery.wait()]
+        release = self._held.next_release()
+        if release is not None and self._timer is None:
+            waits.append((release - now).total_seconds())
+        if self.reconciler.sweeping or self.schedules.pending:
             waits.append(0.0)
         if self.catchup.throttled:
             waits.append(self.catchup.bucket.seconds_until(self.catchup.chunk, now))
         rate_wait = self.scale.wait()
         if self.publisher is not None and self.max_delay is not None:
             with db_errors("next due"), self.app.engine.connect() as conn:
-                due = jobstore.next_due(conn)
-            if due is not None:
-                lead = self.scale.lead(self.max_delay + self.hold_window, self.hold_window)
-                due_wait = self.catchup.adjust_wait(due, now, (due - now).total_seconds() - lead)
+                due = claims.next_due(conn)
+            reach = self.horizon.reach()
+            if due is not None and reach is not None:
+                due_wait = self.catchup.adjust_wait(due, now, (due - now).total_seconds() - reach)
                 # Rate-limited: due jobs wait for tokens, not a busy loop.
                 waits.append(max(due_wait, rate_wait))
         # Every wait counts from ``now``; the query above took some of it.
@@ -698,8 +475,6 @@ class Relay:
         had no controller) — is logged, once per kind per interval, and the
         pass is retried after a jittered backoff; only a configuration error
         (it would fail the same way every time) ends the relay."""
-        from duebox.brokers._waiting import wait_any
-
         stop = stop or asyncio.Event()
         waker = PgWaker(parse_database_url(self.app.settings.database_url))
         if not await open_broker(self.broker, stop):
@@ -709,12 +484,13 @@ class Relay:
         await asyncio.to_thread(self.heartbeat.register)
         gc.freeze()  # as the worker does (consumers/worker.py): no long full collections
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-relay-heartbeat")
-        self._held_changed = asyncio.Event()  # of this loop: run() may be called again
+        self._held.changed = asyncio.Event()  # of this loop: run() may be called again
         self._publishing = asyncio.Lock()
         self._timer = asyncio.create_task(self._fire_held(stop), name="duebox-relay-timer")
         backoff = 0.1
-        log.info("relay %s started on %s (max_delay=%s)", self.name,
-                 self.broker.capabilities.name, self.max_delay)
+        log.info("relay %s started: %s -> %s (max_delay=%s)", self.name,
+                 redacted(self.app.settings.database_url),
+                 redacted(self.app.settings.broker_url), self.max_delay)
         try:
             while not stop.is_set():
                 try:
@@ -747,20 +523,19 @@ class Relay:
                 await asyncio.to_thread(self.scale.release)
             await waker.stop()
             await self.broker.close()
+            log.info("relay %s stopped", self.name)
 
     async def _fire_held(self, stop: asyncio.Event) -> None:
         """The precise timer: publish held jobs at their release time, whatever
         the pass loop is doing meanwhile (claiming, marking, sleeping)."""
-        from duebox.brokers._waiting import wait_any
-
         while not stop.is_set():
-            self._held_changed.clear()
+            self._held.changed.clear()
             wait = self.app.settings.poll_interval
-            earliest = self._held.earliest()
-            if earliest is not None:
-                wait = (earliest - self.app.clock.now()).total_seconds()
+            release = self._held.next_release()
+            if release is not None:
+                wait = (release - self.app.clock.now()).total_seconds()
             if wait > 0:
-                await wait_any(wait, self._held_changed, stop)
+                await wait_any(wait, self._held.changed, stop)
                 continue
             stats = PassStats()
             try:
@@ -774,14 +549,11 @@ class Relay:
                                   type(exc).__name__, exc,
                                   exc_info=not isinstance(exc, DueboxError))
                 await wait_any(0.1 * (0.5 + random.random()), stop)
-            self._add(stats, a_pass=False)
+            self.observe.add(stats, a_pass=False)
 
     async def _give_back_held(self) -> None:
         """On shutdown, held jobs go back to SCHEDULED at once so another relay
         need not wait for their leases to expire."""
-        by_owner: dict[str, list[object]] = {}
-        for item in self._held.drain():
-            by_owner.setdefault(item.owner, []).append(item.record.id)
-        for owner, ids in by_owner.items():
+        for owner, ids in self._held.take_all().items():
             with contextlib.suppress(DatabaseError):
-                await asyncio.to_thread(self._db, jobstore.release, owner, ids)
+                await asyncio.to_thread(self._db, dispatched.release, owner, ids)

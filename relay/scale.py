@@ -11,16 +11,18 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Iterable
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from sqlalchemy import ColumnElement
 
 from duebox import jobstore
-from duebox.metrics import Metrics, ProcessRow
+from duebox.dispatch_policy import DispatchPolicy
+from duebox.fair_claim import FairPicker
+from duebox.heartbeat import ProcessRow
+from duebox.metrics import Metrics
 
 from .backpressure import Backpressure
-from .fairness import DispatchPolicy, FairClaim
 from .shards import ShardConfig, ShardOwner
 
 if TYPE_CHECKING:
@@ -35,7 +37,7 @@ class ScaleControls:
         self.app = app
         self.name = name
         self.policy = policy or DispatchPolicy.configured(app.settings)
-        self.fair = FairClaim(self.policy) if self.policy.enabled else None
+        self.fair = FairPicker(self.policy) if self.policy.enabled else None
         shards = shards or ShardConfig.from_env()
         self.shards = (ShardOwner(shards, name, app.settings.clock_skew_margin)
                        if shards is not None else None)
@@ -49,19 +51,15 @@ class ScaleControls:
         """The shard fence every claim and mark carries (None: not sharded)."""
         return self.shards.fence(now) if self.shards is not None else None
 
-    def lead(self, lead: float, hold_window: float) -> float:
-        """How far ahead of due time the relay claims.  Rate-limited: within a
-        poll interval only, so a burst reaches the broker (native delay or
-        not) at the limited rate instead of pre-staged in full."""
-        if self.fair is not None and self.policy.limited:
-            return min(lead, self.app.settings.poll_interval + hold_window)
-        return lead
-
-    def horizon(self, now: datetime, horizon: datetime, hold_window: float) -> datetime:
+    def reach(self, reach: float | None, hold_window: float) -> float | None:
+        """How far ahead of due time (seconds; None: unbounded) the relay
+        claims, given the broker's ``reach``.  Rate-limited: within a poll
+        interval only, so a burst reaches the broker (native delay or not)
+        at the limited rate instead of pre-staged in full."""
         if self.fair is None or not self.policy.limited:
-            return horizon
-        soon = now + timedelta(seconds=self.app.settings.poll_interval + hold_window)
-        return min(horizon, soon)
+            return reach
+        soon = self.app.settings.poll_interval + hold_window
+        return soon if reach is None else min(reach, soon)
 
     def wait(self) -> float:
         """Seconds due jobs must wait anyway: for tokens, or for the broker."""

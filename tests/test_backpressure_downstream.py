@@ -9,7 +9,7 @@ from typing import Any
 from helpers import Running, make_app, memory_url
 
 import duebox
-from duebox.metrics import ProcessRow
+from duebox.heartbeat import ProcessRow
 from duebox.relay.scale import ScaleControls
 
 

@@ -8,10 +8,11 @@ import duebox
 
 def test_public_names_are_pinned() -> None:
     assert sorted(duebox.__all__) == sorted([
-        "DUPLICATE", "Background", "BrokerError", "Classifier", "Clock", "ConfigurationError",
+        "DUPLICATE", "AmbiguousJobError", "Background", "BrokerError", "Classifier", "Clock",
+        "ConfigurationError",
         "DatabaseClock",
         "DatabaseError", "Duebox", "DueboxError", "FailureClass", "FakeClock", "JobContext",
-        "JobMessage", "JobNotFoundError", "JobState", "JobStateError", "LeaseLostError",
+        "JobInfo", "JobMessage", "JobNotFoundError", "JobState", "JobStateError", "LeaseLostError",
         "MessageDecodeError", "MissingDependencyError", "NewJob", "Permanent",
         "PermissionDeniedError",
         "RedisDedupeStore", "Relay", "RetryPolicy", "SQLDedupeStore", "Settings", "SystemClock",

@@ -1,7 +1,8 @@
-"""Fair dispatch (relay/fairness.py): weighted shares, reserved capacity,
-aging and the bounded class walk, with an injected clock and a recording
-broker so every figure is exact.  Each flood test also runs the same load
-with fairness off and shows the starvation it prevents."""
+"""Fair dispatch (core/fair_claim.py, core/dispatch_policy.py): weighted
+shares, reserved capacity, aging and the bounded class walk, with an
+injected clock and a recording broker so every figure is exact.  Each flood
+test also runs the same load with fairness off and shows the starvation it
+prevents."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from test_catchup import _APPS, RecordingBroker, _dispose  # noqa: F401 - the fi
 import duebox
 from duebox import FakeClock, Settings
 from duebox.brokers.base import BrokerContext
+from duebox.claims import ClassKey, class_candidates
+from duebox.dispatch_policy import DispatchPolicy, effective_priority, plan
 from duebox.errors import ConfigurationError
-from duebox.fair_claim import ClassKey, classes
+from duebox.fair_claim import classes
 from duebox.relay import Relay
-from duebox.relay.fairness import DispatchPolicy, effective_priority, plan
 from duebox.tables import job
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -158,7 +160,7 @@ async def run_for_unfair(relay: Relay, clock: FakeClock, seconds: float) -> None
 
 
 def relay_stats() -> Any:
-    from duebox.relay.relay import PassStats
+    from duebox.relay import PassStats
 
     return PassStats()
 
@@ -212,8 +214,6 @@ def test_claims_stay_index_backed_on_postgres(pg_server_url: str) -> None:
     with app.engine.begin() as conn:
         conn.execute(sa.text("ANALYZE duebox_job"))
         conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
-        from duebox.fair_claim import candidates
-
         stmt = sa.select(job.c.id).where(job.c.state == "SCHEDULED", job.c.queue == "bulk",
                                          job.c.tenant == "big", job.c.priority == 0,
                                          job.c.due_at <= T0)
@@ -222,8 +222,8 @@ def test_claims_stay_index_backed_on_postgres(pg_server_url: str) -> None:
                 dialect=conn.dialect, compile_kwargs={"literal_binds": True})))))
         assert "ix_duebox_job_class_due" in plan_text, plan_text
         assert "Sort" not in plan_text, plan_text
-        assert len(candidates(conn, ClassKey("bulk", "big", 0), horizon=T0, after=None,
-                              limit=20)) == 20
+        assert len(class_candidates(conn, ClassKey("bulk", "big", 0), horizon=T0, after=None,
+                                    limit=20)) == 20
 
 
 async def test_rate_limit_metrics_move_with_the_limit(database_url: str) -> None:

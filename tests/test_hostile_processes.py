@@ -145,20 +145,22 @@ def queue_depth(backend: str, url: str, request: pytest.FixtureRequest) -> int:
         keys: Keys = request.getfixturevalue("redis_keys")
         return keys.stream_len() + keys.parked()
     if backend == "amqp":
-        import pika
+        from urllib.parse import unquote, urlsplit
 
-        from duebox.brokers.amqp_topology import LEVELS, RADIX, Topology
+        from backends import plugin_delayed, rabbitmqctl
 
-        vhost, _, query = url.partition("?")
-        topology = Topology(prefix=query.split("prefix=")[1].split("&")[0])
-        conn = pika.BlockingConnection(pika.URLParameters(vhost))
-        try:
-            ch = conn.channel()
-            names = [topology.queue("default"), *(topology.tier_queue(j, d)
-                                                  for j in range(LEVELS) for d in range(1, RADIX))]
-            return sum(ch.queue_declare(n, passive=True).method.message_count for n in names)
-        finally:
-            conn.close()
+        vhost_url, _, query = url.partition("?")
+        prefix = query.split("prefix=")[1].split("&")[0]
+        vhost = unquote(urlsplit(vhost_url).path.lstrip("/"))
+        # Either delay mode (``auto`` picks the plugin when the broker has it):
+        # the queue, the tier queues that exist, the plugin's pending ones.
+        listed = rabbitmqctl("list_queues", "-p", vhost, "--no-table-headers", "name", "messages")
+        held = sum(int(n) for name, n in (line.split("\t") for line in listed.splitlines())
+                   if name == f"{prefix}.q.default" or name.startswith(f"{prefix}.delay."))
+        exchanges = rabbitmqctl("list_exchanges", "-p", vhost, "--no-table-headers", "name", "type")
+        if f"{prefix}.delayed\tx-delayed-message" in exchanges:
+            held += plugin_delayed(vhost, f"{prefix}.delayed")
+        return held
     if backend == "sqs":
         from backends import Queues
 

@@ -35,7 +35,7 @@ from helpers import (
 )
 
 import duebox
-from duebox import FakeClock, JobState, jobstore
+from duebox import FakeClock, JobState, claims, dispatched, jobstore, recovery
 from duebox.brokers.base import Delivery
 from duebox.brokers.memory import MemoryBroker, reset_hubs
 from duebox.consumers import Worker
@@ -147,16 +147,16 @@ def fake_claim(app: duebox.Duebox, job_id: uuid.UUID, stage: str, lease: float =
     until = now + timedelta(seconds=lease)
     with app.engine.begin() as conn:
         if stage == "worker-claimed":  # sql://: a worker's claim, RUNNING
-            [rec] = jobstore.claim_for_run(conn, owner="dead-worker#1", now=now, limit=1,
+            [rec] = claims.claim_for_run(conn, owner="dead-worker#1", now=now, limit=1,
                                            lease_until=until, queues=None, worker="dead-worker")
             return rec.lease_generation
-        [rec] = jobstore.claim_for_dispatch(conn, owner="dead-relay#1", horizon=now, limit=1,
+        [rec] = claims.claim_for_dispatch(conn, owner="dead-relay#1", horizon=now, limit=1,
                                             now=now, lease_until=until)
         if stage == "relay-claimed":  # died before publishing: DISPATCHING
             return rec.lease_generation
         # Published, marked ENQUEUED, and the broker lost the message (memory://
         # lives in the dead process).
-        assert jobstore.mark_enqueued(conn, owner="dead-relay#1", ids=[job_id], now=now) == 1
+        assert dispatched.mark_enqueued(conn, owner="dead-relay#1", ids=[job_id], now=now) == 1
         if stage == "message-lost":
             return rec.lease_generation
         assert stage == "worker-started"  # a worker started it, then died: RUNNING
@@ -380,7 +380,7 @@ async def test_invariant_5_late_completion_is_fenced_out(
         old = start_as(app, msg, "old")
         clock.advance(12)  # the old worker paused longer than its lease
         with app.engine.begin() as conn:
-            assert jobstore.recover(conn, now=clock.now(), margin=1, redeliver_after=900,
+            assert recovery.recover(conn, now=clock.now(), margin=1, redeliver_after=900,
                                     limit=10).running == 1
         new = start_as(app, msg, "new")
         old_worker, new_worker = Worker(app, name="old"), Worker(app, name="new")

@@ -16,7 +16,7 @@ from alembic.runtime.migration import MigrationContext
 from helpers import attempt_rows, job_row, make_app, observer
 
 import duebox
-from duebox import FakeClock, JobState, jobstore, migrate
+from duebox import FakeClock, JobState, claims, dispatched, jobstore, migrate, recovery
 from duebox.tables import job
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -44,7 +44,7 @@ def add(app: duebox.Duebox, *delays: float, **kw: object) -> list[uuid.UUID]:
 def dispatch(app: duebox.Duebox, owner: str, *, now: float = 0, horizon: float = 3600,
              limit: int = 100, lease: float = 30) -> list[jobstore.JobRecord]:
     with app.engine.begin() as conn:
-        return jobstore.claim_for_dispatch(
+        return claims.claim_for_dispatch(
             conn, owner=owner, horizon=at(horizon), limit=limit, now=at(now),
             lease_until=at(now + lease),
         )
@@ -53,7 +53,7 @@ def dispatch(app: duebox.Duebox, owner: str, *, now: float = 0, horizon: float =
 def run_claim(app: duebox.Duebox, owner: str, *, now: float = 0, limit: int = 100,
               lease: float = 30, queues: list[str] | None = None) -> list[jobstore.JobRecord]:
     with app.engine.begin() as conn:
-        return jobstore.claim_for_run(
+        return claims.claim_for_run(
             conn, owner=owner, now=at(now), limit=limit, lease_until=at(now + lease),
             queues=queues, worker=owner.split("#")[0],
         )
@@ -68,9 +68,9 @@ def start(app: duebox.Duebox, msg: duebox.JobMessage, owner: str, *, now: float,
 
 
 def recover(app: duebox.Duebox, now: float, *, margin: float = 2,
-            redeliver_after: float = 900) -> jobstore.Recovered:
+            redeliver_after: float = 900) -> recovery.Recovered:
     with app.engine.begin() as conn:
-        return jobstore.recover(conn, now=at(now), margin=margin,
+        return recovery.recover(conn, now=at(now), margin=margin,
                                 redeliver_after=redeliver_after, limit=1000)
 
 
@@ -115,13 +115,13 @@ def test_concurrent_claims_skip_each_others_locked_rows(pg_server_url: str) -> N
         ids = set(add(app, *range(10)))
         with app.engine.connect() as first:
             first.begin()
-            a = jobstore.claim_for_dispatch(first, owner="a", horizon=at(100), limit=6,
+            a = claims.claim_for_dispatch(first, owner="a", horizon=at(100), limit=6,
                                             now=T0, lease_until=at(30))
             # ``first`` is still open and holds its row locks: the second relay
             # must neither wait for them nor take the same rows.
             with app.engine.connect() as second:
                 second.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
-                b = jobstore.claim_for_dispatch(second, owner="b", horizon=at(100), limit=10,
+                b = claims.claim_for_dispatch(second, owner="b", horizon=at(100), limit=10,
                                                 now=T0, lease_until=at(30))
                 second.commit()
             first.commit()
@@ -136,10 +136,10 @@ def test_mark_enqueued_is_fenced_by_the_claim_owner(app: duebox.Duebox) -> None:
     ids = add(app, 0, 1)
     dispatch(app, "relay#1")
     with app.engine.begin() as conn:
-        assert jobstore.mark_enqueued(conn, owner="relay#2", ids=ids, now=at(1)) == 0
+        assert dispatched.mark_enqueued(conn, owner="relay#2", ids=ids, now=at(1)) == 0
     assert {job_row(app.engine, i).state for i in ids} == {JobState.DISPATCHING}
     with app.engine.begin() as conn:
-        n = jobstore.mark_enqueued(conn, owner="relay#1", ids=ids, now=at(1),
+        n = dispatched.mark_enqueued(conn, owner="relay#1", ids=ids, now=at(1),
                                    broker_ids={ids[0]: "m-0", ids[1]: "m-1"})
     assert n == 2
     for i, job_id in enumerate(ids):
@@ -147,7 +147,7 @@ def test_mark_enqueued_is_fenced_by_the_claim_owner(app: duebox.Duebox) -> None:
         assert (row.state, row.lease_owner, row.lease_until) == (JobState.ENQUEUED, None, None)
         assert (row.published_at, row.broker_message_id) == (at(1), f"m-{i}")
     with app.engine.begin() as conn:  # a second mark finds nothing to move
-        assert jobstore.mark_enqueued(conn, owner="relay#1", ids=ids, now=at(2)) == 0
+        assert dispatched.mark_enqueued(conn, owner="relay#1", ids=ids, now=at(2)) == 0
 
 
 def test_release_and_expire_only_touch_the_owners_rows(app: duebox.Duebox) -> None:
@@ -155,9 +155,9 @@ def test_release_and_expire_only_touch_the_owners_rows(app: duebox.Duebox) -> No
     dispatch(app, "relay#1", limit=1)
     dispatch(app, "relay#2", limit=1)
     with app.engine.begin() as conn:
-        assert jobstore.release(conn, owner="relay#1", ids=[a, b], now=at(1)) == 1
-        assert jobstore.expire(conn, owner="relay#1", ids=[a, b], now=at(1)) == 0
-        assert jobstore.expire(conn, owner="relay#2", ids=[a, b], now=at(1)) == 1
+        assert dispatched.release(conn, owner="relay#1", ids=[a, b], now=at(1)) == 1
+        assert dispatched.expire(conn, owner="relay#1", ids=[a, b], now=at(1)) == 0
+        assert dispatched.expire(conn, owner="relay#2", ids=[a, b], now=at(1)) == 1
     assert job_row(app.engine, a).state == JobState.SCHEDULED
     assert job_row(app.engine, a).lease_owner is None
     assert job_row(app.engine, b).state == JobState.EXPIRED
@@ -165,11 +165,11 @@ def test_release_and_expire_only_touch_the_owners_rows(app: duebox.Duebox) -> No
 
 def test_next_due_is_the_earliest_scheduled_job(app: duebox.Duebox) -> None:
     with app.engine.connect() as conn:
-        assert jobstore.next_due(conn) is None
+        assert claims.next_due(conn) is None
     add(app, 30, 7, 90)
     dispatch(app, "relay#1", horizon=10)  # takes the one due at 7
     with app.engine.connect() as conn:
-        assert jobstore.next_due(conn) == at(30)
+        assert claims.next_due(conn) == at(30)
 
 
 # --- recovery -----------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_recover_republishes_an_enqueued_job_nobody_started(app: duebox.Duebox) 
     [job_id] = add(app, 10)
     dispatch(app, "relay#1")
     with app.engine.begin() as conn:
-        jobstore.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
+        dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
     assert recover(app, 10 + 59, redeliver_after=60).total == 0
     assert recover(app, 10 + 61, redeliver_after=60).enqueued == 1
     assert job_row(app.engine, job_id).state == JobState.SCHEDULED
@@ -227,11 +227,11 @@ def test_recover_waits_redeliver_after_again_after_a_republish(app: duebox.Duebo
     [job_id] = add(app, 10)
     dispatch(app, "relay#1")
     with app.engine.begin() as conn:
-        jobstore.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
+        dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
     assert recover(app, 10 + 61, redeliver_after=60).enqueued == 1
     dispatch(app, "relay#2", now=10 + 61)
     with app.engine.begin() as conn:  # republished at 71 s
-        jobstore.mark_enqueued(conn, owner="relay#2", ids=[job_id],
+        dispatched.mark_enqueued(conn, owner="relay#2", ids=[job_id],
                                now=at(10 + 61))
     assert recover(app, 10 + 62, redeliver_after=60).total == 0
     assert recover(app, 10 + 61 + 59, redeliver_after=60).total == 0

@@ -23,7 +23,7 @@ from backends import Keys
 from helpers import attempt_rows, job_row, make_app
 
 import duebox
-from duebox import FakeClock, JobState, jobstore
+from duebox import FakeClock, JobState, claims, jobstore, recovery
 from duebox.liveness import DeathWatch, SessionLock, free_names
 from duebox.tables import lease
 from duebox.takeover import Takeover
@@ -141,11 +141,11 @@ def test_recover_owned_takes_only_the_dead_process_jobs(app: duebox.Duebox) -> N
     owners = ["w_1#1", "wx1#1", "w_10#1", "w_1#2"]
     with app.engine.begin() as conn:
         for job_id, owner in zip(ids, owners, strict=True):
-            jobstore.claim_for_run(conn, owner=owner, now=T0, limit=1, queues=None,
+            claims.claim_for_run(conn, owner=owner, now=T0, limit=1, queues=None,
                                    lease_until=T0 + timedelta(seconds=30), worker=owner,
                                    ids=[job_id])
     with app.engine.begin() as conn:
-        got = jobstore.recover_owned(conn, process="w_1", now=T0, limit=100)
+        got = recovery.recover_owned(conn, process="w_1", now=T0, limit=100)
     assert (got.running, got.dispatching, got.dead) == (2, 0, 0)
     states = {o: job_row(app.engine, i).state for i, o in zip(ids, owners, strict=True)}
     assert states == {"w_1#1": JobState.SCHEDULED, "wx1#1": JobState.RUNNING,
@@ -158,10 +158,10 @@ def test_a_late_completion_after_a_takeover_matches_nothing(app: duebox.Duebox) 
     with app.engine.begin() as conn:
         job_id = app.schedule(conn, "effect")
     with app.engine.begin() as conn:
-        [rec] = jobstore.claim_for_run(conn, owner="ghost#1", now=T0, limit=1, queues=None,
+        [rec] = claims.claim_for_run(conn, owner="ghost#1", now=T0, limit=1, queues=None,
                                        lease_until=T0 + timedelta(seconds=30), worker="ghost")
     with app.engine.begin() as conn:
-        jobstore.recover_owned(conn, process="ghost", now=T0, limit=100)
+        recovery.recover_owned(conn, process="ghost", now=T0, limit=100)
     with app.engine.begin() as conn:
         stmt, params = jobstore.complete_bound(rec, T0)
         assert conn.execute(stmt, params).rowcount == 0
@@ -181,7 +181,7 @@ def test_takeover_finds_a_registered_process_whose_lock_is_gone(app: duebox.Dueb
             conn.execute(lease.insert().values(name=name, owner=name, epoch=0, info=info,
                                                expires_at=T0))
         job_id = app.schedule(conn, "effect")
-        jobstore.claim_for_run(conn, owner="dead-w#7", now=T0, limit=1, queues=None,
+        claims.claim_for_run(conn, owner="dead-w#7", now=T0, limit=1, queues=None,
                                lease_until=T0 + timedelta(seconds=30), worker="dead-w")
     takeover = Takeover(app.engine, app.clock, limit=10, own_name="relay-x")
     takeover.watch.confirm_after = 0.0

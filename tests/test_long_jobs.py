@@ -11,7 +11,7 @@ import pytest
 from helpers import Running, attempt_rows, cancel_committed, job_row, make_app, schedule_committed
 
 import duebox
-from duebox import RetryPolicy, Transient, jobstore
+from duebox import RetryPolicy, Transient, recovery
 from duebox.consumers.execution import Execution
 
 
@@ -167,7 +167,7 @@ async def test_busy_handlers_do_not_starve_heartbeats(database_url: str) -> None
     def recover_like_another_relay() -> None:
         while not stop.wait(0.1):
             with app.engine.begin() as conn:
-                recovered.append(jobstore.recover(
+                recovered.append(recovery.recover(
                     conn, now=app.clock.now(), margin=0.1, redeliver_after=900,
                     limit=100).total)
 

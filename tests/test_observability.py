@@ -220,7 +220,7 @@ def test_status_json_matches_a_constructed_state(database_url: str) -> None:
     app, _ = _constructed_state(database_url)
     app.dispose()
     result = CliRunner().invoke(cli, ["status", "--json", "--database-url", database_url])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 4, result.output  # unhealthy: probes and cron alerts see it
     report = json.loads(result.output)
     default, other = report["queues"]["default"], report["queues"]["other"]
     assert (default["due_backlog"], other["due_backlog"]) == (2, 1)
@@ -238,6 +238,7 @@ def test_status_json_matches_a_constructed_state(database_url: str) -> None:
     assert 2 <= report["workers"][0]["heartbeat_age_s"] < 30
     assert report["states"] == {"SCHEDULED": 4, "RUNNING": 1, "SUCCEEDED": 1, "DEAD": 1}
     assert not report["healthy"]  # queue other waited 120 s > 60 s
+    assert (report["verdict"], report["exit_code"]) == ("unhealthy", 4)
     assert any("queue other" in p for p in report["problems"])
     assert any("dead-lettered" in w for w in report["warnings"])
 
@@ -247,7 +248,7 @@ def test_status_watch_refreshes_then_stops(database_url: str) -> None:
     app.dispose()
     result = CliRunner().invoke(cli, ["status", "--database-url", database_url,
                                       "--watch", "0.1", "--iterations", "2"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 4, result.output  # the last report's verdict
     assert result.output.count("duebox status at") == 2
     assert "relays alive: 1" in result.output
     assert "relay:live" in result.output

@@ -21,7 +21,16 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox import FakeClock, JobNotFoundError, JobState, JobStateError, ValidationError, jobstore
+from duebox import (
+    FakeClock,
+    JobNotFoundError,
+    JobState,
+    JobStateError,
+    ValidationError,
+    claims,
+    dispatched,
+    jobstore,
+)
 from duebox.tables import audit, job
 
 # Every kind of handle the producer accepts; the visibility and rollback
@@ -332,7 +341,7 @@ async def test_cancel_of_a_running_job_fences_out_its_worker(app: duebox.Duebox)
     with app.engine.begin() as conn:
         job_id = app.schedule(conn, "effect")
     with app.engine.begin() as conn:
-        [rec] = jobstore.claim_for_run(
+        [rec] = claims.claim_for_run(
             conn, owner="w#1", now=START, limit=10, lease_until=START + timedelta(seconds=30),
             queues=None, worker="w",
         )
@@ -383,12 +392,12 @@ async def test_reschedule_takes_a_job_back_from_the_relay(
     with app.engine.begin() as conn:
         job_id = app.schedule(conn, "effect", delay=10)
     with app.engine.begin() as conn:
-        [rec] = jobstore.claim_for_dispatch(
+        [rec] = claims.claim_for_dispatch(
             conn, owner="relay#1", horizon=START + timedelta(days=1), limit=10, now=START,
             lease_until=START + timedelta(seconds=30),
         )
         if leased == "ENQUEUED":
-            assert jobstore.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=START) == 1
+            assert dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=START) == 1
     assert job_row(app.engine, job_id).state == leased
     with app.engine.begin() as conn:
         app.reschedule(conn, job_id, delay=20)
@@ -398,7 +407,7 @@ async def test_reschedule_takes_a_job_back_from_the_relay(
     assert row.due_at == START + timedelta(seconds=20)
     # The relay's late mark for its claim is fenced out.
     with app.engine.begin() as conn:
-        assert jobstore.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=START) == 0
+        assert dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=START) == 0
     # And the message it published is stale.
     with app.engine.begin() as conn:
         started = jobstore.start(
@@ -417,7 +426,7 @@ async def test_reschedule_of_a_running_job_raises_and_changes_nothing(
     with app.engine.begin() as conn:
         job_id = app.schedule(conn, "effect")
     with app.engine.begin() as conn:
-        jobstore.claim_for_run(
+        claims.claim_for_run(
             conn, owner="w#1", now=START, limit=10, lease_until=START + timedelta(seconds=30),
             queues=None, worker="w",
         )

@@ -1,4 +1,4 @@
-"""Shared dispatch rate limits and tenant quotas (relay/ratelimit.py): token
+"""Shared dispatch rate limits and tenant quotas (core/rate_buckets.py): token
 buckets in the database, so several relay processes share one budget."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from conftest import reset_tables
 from scale_procs import RelayProcs, _relay_procs, poll  # noqa: F401 - the fixture
 
 import duebox
-from duebox.relay import ratelimit
-from duebox.relay.ratelimit import Limit
+from duebox.rate_buckets import Limit, bucket_wait, lock_buckets, spend_buckets
 from duebox.tables import job
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -28,25 +27,25 @@ def test_one_bucket_is_one_budget_across_connections(database_url: str) -> None:
     limits = {"tenant:acme": Limit(rate=10.0, burst=10.0)}
     try:
         with engine.begin() as conn:
-            held = ratelimit.lock(conn, limits, T0)
+            held = lock_buckets(conn, limits, T0)
             assert held["tenant:acme"].available == 10
             held["tenant:acme"].spent = 7
-            ratelimit.spend(conn, held.values(), T0)
+            spend_buckets(conn, held.values(), T0)
         with engine.begin() as conn:
-            held = ratelimit.lock(conn, limits, T0)
+            held = lock_buckets(conn, limits, T0)
             assert held["tenant:acme"].available == 3
             held["tenant:acme"].spent = 3
-            ratelimit.spend(conn, held.values(), T0)
+            spend_buckets(conn, held.values(), T0)
         with engine.begin() as conn:  # a claim that rolls back spends nothing
-            held = ratelimit.lock(conn, limits, T0 + timedelta(seconds=0.5))
+            held = lock_buckets(conn, limits, T0 + timedelta(seconds=0.5))
             assert held["tenant:acme"].available == 5
             held["tenant:acme"].spent = 5
-            ratelimit.spend(conn, held.values(), T0 + timedelta(seconds=0.5))
+            spend_buckets(conn, held.values(), T0 + timedelta(seconds=0.5))
             conn.rollback()
         with engine.begin() as conn:
-            held = ratelimit.lock(conn, limits, T0 + timedelta(seconds=60))
+            held = lock_buckets(conn, limits, T0 + timedelta(seconds=60))
             assert held["tenant:acme"].available == 10  # never beyond the burst
-            assert ratelimit.seconds_until(held.values(), 5) == 0.0
+            assert bucket_wait(held.values(), 5) == 0.0
     finally:
         engine.dispose()
 
@@ -68,10 +67,10 @@ def test_a_claimer_with_an_older_clock_never_moves_the_bucket_back(database_url:
 
     def take(at: float, n: int) -> int:
         with engine.begin() as conn:
-            held = ratelimit.lock(conn, limits, T0 + timedelta(seconds=at))
+            held = lock_buckets(conn, limits, T0 + timedelta(seconds=at))
             got = min(n, held["global"].available)
             held["global"].spent = got
-            ratelimit.spend(conn, held.values(), T0 + timedelta(seconds=at))
+            spend_buckets(conn, held.values(), T0 + timedelta(seconds=at))
         return got
 
     try:

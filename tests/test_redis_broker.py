@@ -43,7 +43,7 @@ from helpers import (
 )
 
 import duebox
-from duebox import MissingDependencyError, jobstore
+from duebox import MissingDependencyError, jobstore, recovery
 from duebox.brokers import redis_mover
 from duebox.brokers.base import BrokerContext, Outgoing
 from duebox.clock import SystemClock
@@ -206,8 +206,8 @@ async def test_index_bookkeeping(keys: Keys) -> None:
         assert keys.parked() == 2
         assert keys.score(a) > before
 
-        def ref(job_id: uuid.UUID, version: int) -> jobstore.EnqueuedRef:
-            return jobstore.EnqueuedRef(job_id, version, "default", now)
+        def ref(job_id: uuid.UUID, version: int) -> recovery.EnqueuedRef:
+            return recovery.EnqueuedRef(job_id, version, "default", now)
 
         lost = uuid.uuid4()
         assert set(await b.missing([ref(a, 3), ref(c, 1), ref(d, 1), ref(a, 4),
@@ -558,6 +558,6 @@ async def test_relay_ignores_brokers_that_cannot_reconcile(database_url: str) ->
     try:
         relay = Relay(app)
         await relay.run_pass()
-        assert relay._reconciles is False
+        assert relay.reconciler.active is False
     finally:
         app.dispose()

@@ -1,5 +1,5 @@
 """The pipelined relay: the mark of a confirmed batch rides in the next
-claim's transaction (``jobstore.mark_and_claim``; one statement on
+claim's transaction (``dispatched.mark_and_claim``; one statement on
 PostgreSQL).  The fold must keep the mark's fence: a stale relay's mark
 changes nothing, and the claim beside it still happens."""
 
@@ -14,9 +14,10 @@ import sqlalchemy as sa
 from helpers import make_app
 
 import duebox
-from duebox import FakeClock, JobState, jobstore
+from duebox import FakeClock, JobState, claims, jobstore, recovery
 from duebox.brokers.base import BrokerContext, Outgoing, PublishResult
 from duebox.brokers.memory import MemoryBroker
+from duebox.dispatched import mark_and_claim
 from duebox.errors import BrokerError, DatabaseError
 from duebox.relay import Relay
 from duebox.tables import job
@@ -52,7 +53,7 @@ def claim(app: duebox.Duebox, owner: str, *, now: float, limit: int = 100,
           fence: sa.ColumnElement[bool] | None = None,
           ) -> tuple[list[int], list[jobstore.JobRecord]]:
     with app.engine.begin() as conn:
-        return jobstore.mark_and_claim(
+        return mark_and_claim(
             conn, marks=marks, owner=owner, horizon=at(now), limit=limit, now=at(now),
             lease_until=at(now + 30), fence=fence)
 
@@ -66,7 +67,7 @@ def test_folded_mark_of_a_stale_owner_changes_nothing(app: duebox.Duebox) -> Non
     _, recs = claim(app, "A#1", now=1)
     assert {r.id for r in recs} == set(first)
     with app.engine.begin() as conn:  # A's lease expired: back to SCHEDULED
-        assert jobstore.recover(conn, now=at(40), margin=1, redeliver_after=900,
+        assert recovery.recover(conn, now=at(40), margin=1, redeliver_after=900,
                                 limit=100).dispatching == 3
     _, recs = claim(app, "B#1", now=41)
     assert {r.id for r in recs} == set(first)
@@ -100,9 +101,9 @@ def test_folded_mark_keeps_the_shard_fence(app: duebox.Duebox) -> None:
 def test_several_marks_and_an_empty_claim(app: duebox.Duebox) -> None:
     a, b = add(app, 2), add(app, 3)
     with app.engine.begin() as conn:
-        jobstore.claim_for_dispatch(conn, owner="R#1", horizon=at(1), limit=2, now=at(1),
+        claims.claim_for_dispatch(conn, owner="R#1", horizon=at(1), limit=2, now=at(1),
                                     lease_until=at(30))
-        jobstore.claim_for_dispatch(conn, owner="R#2", horizon=at(1), limit=3, now=at(1),
+        claims.claim_for_dispatch(conn, owner="R#2", horizon=at(1), limit=3, now=at(1),
                                     lease_until=at(30))
     assert {o for _, o in rows(app, a).values()} == {"R#1"}
     counts, recs = claim(app, "R#3", now=2, marks=[("R#1", a), ("R#x", b), ("R#2", b)])

@@ -18,7 +18,7 @@ from conftest import reset_tables
 from scale_procs import RelayProcs, _relay_procs, poll  # noqa: F401 - the fixture
 
 import duebox
-from duebox import FakeClock, JobState, jobstore
+from duebox import FakeClock, JobState, claims, dispatched, recovery
 from duebox.errors import ConfigurationError
 from duebox.heartbeat import beat
 from duebox.relay.shards import ShardConfig, ShardOwner
@@ -48,7 +48,7 @@ def at(s: float) -> datetime:
 
 def claim(app: duebox.Duebox, owner: str, fence: Any, now: float = 0) -> list[uuid.UUID]:
     with app.engine.begin() as conn:
-        recs = jobstore.claim_for_dispatch(conn, owner=owner, horizon=at(now), limit=1000,
+        recs = claims.claim_for_dispatch(conn, owner=owner, horizon=at(now), limit=1000,
                                            now=at(now), lease_until=at(now + 5), fence=fence)
     return [r.id for r in recs]
 
@@ -93,7 +93,7 @@ def test_a_stale_generation_claims_and_marks_nothing(app: duebox.Duebox) -> None
     assert sorted(b.owned) == [0, 1, 2, 3]
     assert all(b.owned[k].generation == a.owned[k].generation + 1 for k in range(4))
     with app.engine.begin() as conn:
-        stale = jobstore.mark_enqueued(conn, owner="A#1", ids=ids, now=at(11),
+        stale = dispatched.mark_enqueued(conn, owner="A#1", ids=ids, now=at(11),
                                        fence=a.fence(at(11)))
         unfenced_would = conn.execute(sa.select(sa.func.count()).select_from(job).where(
             job.c.lease_owner == "A#1", job.c.state == JobState.DISPATCHING)).scalar_one()
@@ -101,11 +101,11 @@ def test_a_stale_generation_claims_and_marks_nothing(app: duebox.Duebox) -> None
     assert unfenced_would == 40
 
     with app.engine.begin() as conn:  # the jobs' own leases expire; recovery frees them
-        jobstore.recover(conn, now=at(20), margin=0.5, redeliver_after=900, limit=1000)
+        recovery.recover(conn, now=at(20), margin=0.5, redeliver_after=900, limit=1000)
     assert claim(app, "A#2", a.fence(at(20)), now=20) == []
     assert sorted(claim(app, "B#1", b.fence(at(20)), now=20)) == sorted(ids)
     with app.engine.begin() as conn:
-        assert jobstore.mark_enqueued(conn, owner="B#1", ids=ids, now=at(20),
+        assert dispatched.mark_enqueued(conn, owner="B#1", ids=ids, now=at(20),
                                       fence=b.fence(at(20))) == 40
     a.step(app.engine, at(20))  # A's renewal finds the shards gone and forgets them
     assert a.owned == {}
@@ -285,19 +285,20 @@ async def test_shard_metrics_and_a_fenced_hold_in_process(app: duebox.Duebox) ->
 
 
 def test_status_shows_shards_their_owners_and_each_relays_share(app: duebox.Duebox) -> None:
-    from duebox.cli.status_view import build_report, render
+    from duebox.cli.status_view import render
+    from duebox.inspect_status import build_report
 
     a = ShardOwner(ShardConfig(2, ttl=10), "relay:A", margin=0.5)
     with app.engine.begin() as conn:
         beat(conn, name="relay:A", now=at(0), ttl=60, info={"backend": "redis"})
     a.step(app.engine, at(0))
     report = build_report(app.engine, at(1))
-    assert [(s["shard"], s["owner"], s["generation"]) for s in report["shards"]] == [
+    assert [(s.shard, s.owner, s.generation) for s in report.shards] == [
         ("0/2", "relay:A", 1), ("1/2", "relay:A", 1)]
-    assert report["relays"][0]["shards"] == ["0/2", "1/2"]
+    assert report.relays[0].shards == ["0/2", "1/2"]
     assert "shards 0/2,1/2" in render(report)
     later = build_report(app.engine, at(30))  # the leases ran out: no live owner
-    assert [s["owner"] for s in later["shards"]] == [None, None]
+    assert [s.owner for s in later.shards] == [None, None]
 
 
 def test_migration_0003_backfills_the_slot_of_existing_jobs(database_url: str) -> None:

@@ -24,8 +24,9 @@ from test_processes import Procs, poll
 import duebox
 from duebox import FakeClock, Settings
 from duebox.brokers.sql import SQLBroker
+from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError
-from duebox.fair_claim import DispatchPolicy, Limit, lock_buckets, spend_buckets
+from duebox.rate_buckets import Limit, lock_buckets, spend_buckets
 from duebox.relay import Relay
 from duebox.relay.shards import ShardConfig
 from duebox.tables import attempt, job, rate_bucket

@@ -10,6 +10,7 @@ import pytest
 from helpers import Running, memory_url
 
 import duebox
+from duebox.brokers.base import Durability
 from duebox.brokers.memory import MemoryBroker
 
 from .base import BackendContract
@@ -33,7 +34,7 @@ class TestMemoryContract(BackendContract):
         ``redeliver_after`` backstop must publish those jobs again."""
         broker = running.relays[0].broker
         assert isinstance(broker, MemoryBroker)
-        assert broker.capabilities.durability.startswith("none")
+        assert broker.capabilities.durability is Durability.NONE
         lost: list[object] = []
         queues = list(broker.hub.queues.values())
         for q in queues:

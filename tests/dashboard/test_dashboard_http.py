@@ -238,7 +238,9 @@ def test_the_command_serves_the_default_database_until_interrupted(tmp_path: Any
     empty = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=60)
     assert empty.returncode == 1
-    assert "no duebox tables in sqlite:///duebox.db: run `duebox db upgrade`" in empty.stderr
+    assert "no database at duebox.db (the file does not exist): run `duebox db upgrade`" \
+        in empty.stderr
+    assert not (tmp_path / "duebox.db").exists()  # asking created nothing
     reset_tables(f"sqlite:///{tmp_path}/duebox.db")
     # As from a terminal: a test session started in the background by a
     # non-interactive shell ignores SIGINT, and a child would inherit that.

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import duebox
-from duebox.dashboard.masking import REDACTED, hidden_values, masked
+from duebox.masking import REDACTED, hidden_values, masked
 
 from .conftest import Client
 from .seed import SECRET, Seeded

@@ -44,6 +44,11 @@ def readme_snippet() -> None:
         assert_type(job_id, uuid.UUID)
         assert_type(app.cancel(session, job_id), bool)
         assert_type(app.reschedule(session, job_id, delay=60), None)
+        info = app.get_job(session, "reminder:order-42")
+        assert_type(info, duebox.JobInfo)
+        assert_type(info.state, duebox.JobState)
+        assert_type(info.attempts, int)
+        assert_type(info.last_error, str | None)
         jobs = [app.new_job("send-reminder", {"order_id": n}, delay=n) for n in range(3)]
         assert_type(app.schedule_many(session, jobs), list[uuid.UUID])
 
@@ -58,6 +63,8 @@ async def async_session(session: AsyncSession) -> None:
     pending = assert_type(app.schedule(session, "send-reminder", {"order_id": 7}, delay=30),
                           Coroutine[Any, Any, uuid.UUID])
     job_id = await pending
+    found = assert_type(app.get_job(session, job_id), Coroutine[Any, Any, duebox.JobInfo])
+    assert_type((await found).due_at, datetime)
     assert_type(job_id, uuid.UUID)
     assert_type(await app.cancel(session, job_id), bool)
     assert_type(await app.reschedule(session, job_id, delay=timedelta(minutes=5)), None)

@@ -1,4 +1,5 @@
-"""Sleeping until a deadline or an event, whichever comes first."""
+"""Sleeping until a deadline or an event, whichever comes first: the relay,
+the workers and the backends all wait this way."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """What people may see of a task's data: the task's ``mask`` hook, failing closed.
 
+Shared by everything that shows a job: the dashboard, ``duebox jobs show`` /
+``dlq show``, and the worker's log line and stored traceback of a failure.
+
 One function, :func:`masked`, decides for one job (or schedule) from its
 task and payload, and what it returns masks both the payload and any text
 that may quote the payload (an exception message in ``last_error`` or in an
@@ -20,9 +23,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from duebox import Duebox
+if TYPE_CHECKING:
+    from .app import Duebox
+    from .tasks import Task
 
 REDACTED = "****"
 
@@ -73,11 +78,18 @@ def hidden_values(raw: Any, shown: Any) -> tuple[str, ...]:
 
 
 def masked(app: Duebox, task: str, payload: Any, *, show_unregistered: bool = False) -> Masked:
-    registered = app.tasks.get(task)
+    """What of job data (``payload`` of task ``task``) people may see, per
+    ``app``'s registration of the task."""
+    return masked_for(app.tasks.get(task), payload, show_unregistered=show_unregistered)
+
+
+def masked_for(registered: Task | None, payload: Any, *,
+               show_unregistered: bool = False) -> Masked:
+    """:func:`masked` for a task already looked up (None: not registered)."""
     if registered is None:
         if show_unregistered:
             return Masked(payload, "task not registered here: shown without a mask hook")
-        return Masked(None, "hidden: the task is not registered in the dashboard's app, so its "
+        return Masked(None, "hidden: the task is not registered in this app, so its "
                             "mask hook is unknown (give --app, or --show-unregistered-payloads)",
                       hidden=True)
     if registered.mask is None:
@@ -89,6 +101,16 @@ def masked(app: Duebox, task: str, payload: Any, *, show_unregistered: bool = Fa
         return Masked(None, f"hidden: the task's mask hook raised {type(exc).__name__}",
                       hidden=True)
     return Masked(shown, "masked by the task's mask hook", secrets)
+
+
+def masked_text(registered: Task | None, payload: Any, text: str) -> str:
+    """Error text (a message, a traceback) as it may be written where people
+    read it (a log line, the attempt's stored traceback)."""
+    shown = masked_for(registered, payload, show_unregistered=True).text(text)
+    return shown if shown is not None else f"({HIDDEN_TEXT})"
+
+
+HIDDEN_TEXT = "error text hidden: the task's mask hook failed"
 
 
 def shown_as_is(app: Duebox, task: str, *, show_unregistered: bool = False) -> bool:

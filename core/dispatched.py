@@ -1,0 +1,214 @@
+"""How a relay's dispatch claim ends: each claimed job is marked
+``ENQUEUED`` once the broker confirmed its message, released back to
+``SCHEDULED`` (the publish failed), refused (the broker will never take it:
+a failed attempt) or expired (too late to run).
+
+Every write is one conditional ``UPDATE`` fenced by the claim's owner token
+(and a sharded relay's ``fence``): a write that lost a race matches no row,
+changes nothing and says so through its row count.  The claim itself is
+core/claims.py's; :func:`mark_and_claim` joins the two in one round trip.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    and_,
+    any_,
+    bindparam,
+    func,
+    literal,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.sql import Update
+
+from . import claims
+from .failures import SystemFailure
+from .ids import uuid7
+from .records import ROW_COLUMNS, JobRecord, by_primary_key, records
+from .states import JobState
+from .tables import attempt, job
+
+
+def mark_enqueued(
+    conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
+    broker_ids: dict[uuid.UUID, str] | None = None, fence: ColumnElement[bool] | None = None,
+) -> int:
+    """DISPATCHING → ENQUEUED, fenced by the claim's owner token (and by
+    ``fence``: a sharded relay's shard generation, still current)."""
+    if not ids:
+        return 0
+    in_order = conn.dialect.name == "postgresql"
+    if broker_ids:
+        total = 0
+        for job_id in ids:
+            total += conn.execute(
+                _mark_stmt(owner, now, job.c.id == job_id, fence).values(
+                    broker_message_id=broker_ids.get(job_id)
+                )
+            ).rowcount
+        return total
+    return conn.execute(_mark_stmt(owner, now, job.c.id.in_(list(ids)), fence,
+                                   in_id_order=in_order)).rowcount
+
+
+def _mark_stmt(owner: str, now: datetime, chosen: ColumnElement[bool],
+               fence: ColumnElement[bool] | None = None, *, in_id_order: bool = False
+               ) -> Update:
+    """The mark of the ``chosen`` rows still DISPATCHING under ``owner``.
+
+    ``in_id_order`` (PostgreSQL): the rows are locked in id order first.  A
+    worker's version-checked start locks its batch's rows in id order and
+    waits for a mark holding one of them; a mark locking in scan order could
+    meanwhile wait for a row that start holds: a deadlock, which PostgreSQL
+    detects only after ``deadlock_timeout`` (a second).  (MariaDB refuses a
+    subquery on the table an UPDATE changes.)"""
+    condition = and_(chosen, job.c.state == JobState.DISPATCHING, job.c.lease_owner == owner)
+    if fence is not None:
+        condition = and_(condition, fence)
+    if in_id_order:
+        condition = job.c.id.in_(
+            select(job.c.id).where(condition).order_by(job.c.id).with_for_update())
+    return by_primary_key(update(job).where(condition).values(
+        state=JobState.ENQUEUED, published_at=now, lease_owner=None, lease_until=None,
+        updated_at=now))
+
+
+def release(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
+            error: str | None = None) -> int:
+    """Hand claimed jobs back (a publish failed): DISPATCHING → SCHEDULED;
+    ``error``, the broker's reason, goes to ``last_error``."""
+    if not ids:
+        return 0
+    values: dict[str, Any] = {"last_error": error} if error is not None else {}
+    return conn.execute(by_primary_key(
+        update(job)
+        .where(job.c.id.in_(list(ids)), job.c.state == JobState.DISPATCHING,
+               job.c.lease_owner == owner)
+        .values(state=JobState.SCHEDULED, lease_owner=None, lease_until=None, updated_at=now,
+                **values)
+    )).rowcount
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A claimed job whose message the broker refuses for good, why, and
+    when to try it again if it has attempts left."""
+
+    record: JobRecord
+    error: str
+    retry_at: datetime
+
+
+def refuse(conn: Connection, *, owner: str, refusals: Sequence[Refusal], worker: str,
+           now: datetime) -> tuple[int, int]:
+    """Jobs whose message the broker refuses every time (a queue name it
+    cannot use, a message over its size limit): the refusal is a failed
+    attempt, with the broker's reason in ``last_error`` and an attempt row.
+    The job is tried again at ``retry_at`` with a new version, or goes DEAD
+    once its attempts are used up — never claimed and released forever.
+    Fenced by the claim's owner.  Returns (retried, dead)."""
+    retried = dead = 0
+    for r in refusals:
+        rec = r.record
+        claimed = (update(job).where(job.c.id == rec.id, job.c.state == JobState.DISPATCHING,
+                                     job.c.lease_owner == owner))
+        failed = {"attempt": job.c.attempt + 1, "error_class": SystemFailure.REFUSED,
+                  "last_error": r.error, "lease_owner": None, "lease_until": None,
+                  "updated_at": now}
+        moved = conn.execute(by_primary_key(
+            claimed.where(job.c.attempt + 1 >= job.c.max_attempts).values(
+                state=JobState.DEAD, finished_at=now, **failed))).rowcount
+        dead += moved
+        if not moved:
+            moved = conn.execute(by_primary_key(claimed.values(
+                state=JobState.SCHEDULED, due_at=r.retry_at, version=job.c.version + 1,
+                **failed))).rowcount
+            retried += moved
+        if moved:
+            conn.execute(attempt.insert().values(
+                id=uuid7(), job_id=rec.id, number=rec.attempt + 1, worker=worker,
+                lease_generation=rec.lease_generation, outcome="refused",
+                error_class=SystemFailure.REFUSED, error=r.error, started_at=now, finished_at=now))
+    return retried, dead
+
+
+def expire(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime) -> int:
+    """Leased jobs past their ``expires_at`` become EXPIRED and never run."""
+    if not ids:
+        return 0
+    return conn.execute(by_primary_key(
+        update(job)
+        .where(job.c.id.in_(list(ids)), job.c.lease_owner == owner,
+               job.c.state.in_([JobState.DISPATCHING, JobState.RUNNING]))
+        .values(state=JobState.EXPIRED, lease_owner=None, lease_until=None,
+                finished_at=now, updated_at=now, error_class=SystemFailure.EXPIRED)
+    )).rowcount
+
+
+
+def mark_and_claim(
+    conn: Connection, *, marks: Sequence[tuple[str, Sequence[uuid.UUID]]], owner: str,
+    horizon: datetime, limit: int, now: datetime, lease_until: datetime,
+    after: datetime | None = None, priority_first: bool = False,
+    fence: ColumnElement[bool] | None = None,
+) -> tuple[list[int], list[JobRecord]]:
+    """:func:`mark_enqueued` for each ``(owner, ids)`` of ``marks`` (batches
+    the broker confirmed), then :func:`claim_for_dispatch`, on the caller's
+    connection; returns the rows each mark changed and the claimed records.
+
+    The pipelined relay's one round trip per batch.  On PostgreSQL the first
+    mark and the claim are one statement (data-modifying CTEs); the mark is
+    fenced exactly as :func:`mark_enqueued`'s (state, the claim's owner,
+    ``fence``), and the two touch disjoint rows (DISPATCHING and ours vs.
+    SCHEDULED), so they cannot interfere.  Other dialects: the plain
+    statements, one after another."""
+    counts = [0] * len(marks)
+    todo = [i for i, (_, ids) in enumerate(marks) if ids]
+    if conn.dialect.name != "postgresql" or not todo:
+        for i in todo:
+            counts[i] = mark_enqueued(conn, owner=marks[i][0], ids=marks[i][1], now=now,
+                                      fence=fence)
+        return counts, claims.claim_for_dispatch(
+            conn, owner=owner, horizon=horizon, limit=limit, now=now, lease_until=lease_until,
+            after=after, priority_first=priority_first, fence=fence)
+    first, rest = todo[0], todo[1:]
+    for i in rest:
+        counts[i] = mark_enqueued(conn, owner=marks[i][0], ids=marks[i][1], now=now,
+                                  fence=fence)
+    mark_owner, mark_ids = marks[first]
+    # One array parameter, not an IN list of 500: the statement text stays
+    # the same, so neither SQLAlchemy nor psycopg re-renders or re-parses it.
+    ids = bindparam("mark_ids", list(mark_ids), type_=postgresql.ARRAY(job.c.id.type))
+    marked = (_mark_stmt(mark_owner, now, job.c.id == any_(ids), fence, in_id_order=True)
+              .returning(job.c.id).cte("marked"))
+    claim = claims.dispatch_claim(
+        owner=owner, horizon=horizon, limit=limit, now=now, lease_until=lease_until,
+        after=after, priority_first=priority_first, fence=fence)
+    claimed = claim.returning(*ROW_COLUMNS).cte("claimed")
+    # Outer-joined to one row, so the mark's count comes back when nothing
+    # was claimed; PostgreSQL runs every data-modifying CTE to completion
+    # whether or not the outer query reads it.
+    one = select(literal(1).label("one")).subquery("one")
+    n_marked = select(func.count()).select_from(marked).scalar_subquery()
+    stmt = (select(n_marked.label("n_marked"), *(claimed.c[c.name] for c in ROW_COLUMNS))
+            .select_from(one.outerjoin(claimed, true())))
+    rows = conn.execute(stmt).all()
+    counts[first] = int(rows[0][0]) if rows else 0
+    claimed_records = records([row[1:] for row in rows if row[1] is not None])
+    # As UUIDs compare, without their __lt__.
+    claimed_records.sort(key=lambda r: (r.due_at, r.id.int))
+    return counts, claimed_records
+
+
+__all__ = ["Refusal", "expire", "mark_and_claim", "mark_enqueued", "refuse", "release"]

@@ -1,0 +1,376 @@
+"""The read side of one job: typed read models for ``duebox jobs``, ``duebox
+dlq show``, the dashboard's job page and :meth:`Duebox.get_job`.
+
+Nothing here writes.  A job is found by its id, its business key, or an id
+prefix as ``duebox jobs list`` and the dashboard print it; each is one
+index-backed read (primary key, the unique key index, a primary-key range).
+The health report (``duebox status``, the dashboard's overview) is in
+:mod:`duebox.inspect_status`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Generator
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from sqlalchemy import Connection, Engine, select
+
+from .db import db_errors
+from .errors import AmbiguousJobError, JobNotFoundError, ValidationError
+from .states import JobState
+from .tables import attempt, audit, job
+
+R = TypeVar("R")
+
+
+def _from_row(cls: type[R], row: Any) -> R:
+    """A read model from a result row with (at least) its fields' columns."""
+    m = row._mapping
+    return cls(**{f.name: m[f.name] for f in fields(cls)  # type: ignore[arg-type]
+                  if f.name in m})
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job as code shows it to its own users (:meth:`Duebox.get_job`).
+
+    ``attempts`` counts the executions started so far; ``last_error`` is the
+    latest failure's ``Class: message`` (unmasked: this is the app's own
+    code reading its own data)."""
+
+    id: uuid.UUID
+    task: str
+    queue: str
+    state: JobState
+    due_at: datetime
+    attempts: int
+    max_attempts: int
+    version: int
+    key: str | None
+    tenant: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    last_error: str | None
+    error_class: str | None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """Every column of a job that a person reading about it wants."""
+
+    id: uuid.UUID
+    task: str
+    queue: str
+    state: str
+    key: str | None
+    tenant: str | None
+    priority: int
+    attempt: int
+    max_attempts: int
+    version: int
+    payload: Any
+    due_at: datetime
+    created_at: datetime
+    claimed_at: datetime | None
+    published_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    lease_owner: str | None
+    lease_until: datetime | None
+    broker_message_id: str | None
+    last_error: str | None
+    error_class: str | None
+
+    def record(self) -> JobInfo:
+        return JobInfo(
+            id=self.id, task=self.task, queue=self.queue, state=JobState(self.state),
+            due_at=self.due_at, attempts=self.attempt, max_attempts=self.max_attempts,
+            version=self.version, key=self.key, tenant=self.tenant,
+            created_at=self.created_at, finished_at=self.finished_at,
+            last_error=self.last_error, error_class=self.error_class)
+
+
+@dataclass(frozen=True)
+class AttemptView:
+    number: int
+    worker: str | None
+    outcome: str | None
+    error_class: str | None
+    error: str | None
+    started_at: datetime
+    finished_at: datetime | None
+    traceback: str | None = None
+
+
+@dataclass(frozen=True)
+class AuditView:
+    at: datetime
+    operator: str
+    action: str
+    reason: str
+    details: Any
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    name: str  # created, due, claimed, enqueued, started, finished
+    at: datetime
+    late_s: float | None  # seconds after the due time; None for created and due
+
+
+@dataclass(frozen=True)
+class JobDetail:
+    job: JobView
+    attempts: list[AttemptView]  # oldest first
+    audits: list[AuditView]  # oldest first
+
+    def timeline(self) -> list[TimelineEvent]:
+        return timeline(self.job)
+
+
+_VIEW_COLUMNS = [job.c[f.name] for f in fields(JobView)]
+
+
+def timeline(row: JobView) -> list[TimelineEvent]:
+    """The job's lifecycle instants that have happened, in lifecycle order."""
+    events = [("created", row.created_at), ("due", row.due_at), ("claimed", row.claimed_at),
+              ("enqueued", row.published_at), ("started", row.started_at),
+              ("finished", row.finished_at)]
+    return [TimelineEvent(name, at, None if name in ("created", "due")
+                          else (at - row.due_at).total_seconds())
+            for name, at in events if at is not None]
+
+
+# --- finding a job ----------------------------------------------------------------------
+
+# A prefix shorter than this is too likely a word or a key to read as an id.
+MIN_PREFIX = 4
+# How many jobs an ambiguous prefix names.
+CANDIDATES = 5
+_HEX = frozenset("0123456789abcdef")
+
+Reads = Generator[Any, Any, R]
+
+
+def id_prefix(text: str) -> str | None:
+    """The hex digits of ``text`` when it reads as the start of a job id as
+    printed (``0190c2d4-7e1a``, with or without dashes, or cut with "…");
+    None otherwise."""
+    digits = text.strip().rstrip("…").replace("-", "").lower()
+    if MIN_PREFIX <= len(digits) <= 32 and set(digits) <= _HEX:
+        return digits
+    return None
+
+
+def prefix_range(digits: str) -> tuple[uuid.UUID, uuid.UUID]:
+    """The ids that start with ``digits``: a primary-key range, so the
+    look-up needs no LIKE (and no wildcard in the text can widen it)."""
+    return (uuid.UUID(hex=digits.ljust(32, "0")), uuid.UUID(hex=digits.ljust(32, "f")))
+
+
+def check_reference(value: object, field: str = "job") -> str | uuid.UUID:
+    """A job reference as a user gives it: a UUID, or text the database can
+    compare (a key or an id prefix)."""
+    if isinstance(value, uuid.UUID):
+        return value
+    if not isinstance(value, str):
+        raise ValidationError(field, "must be a job id, an id prefix or a key", value)
+    text = value.strip()
+    if not text:
+        raise ValidationError(field, "must not be empty", value)
+    if len(text) > 400:
+        raise ValidationError(field, "must be at most 400 characters (a key's limit)", value)
+    if any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF for c in text):
+        raise ValidationError(field, "must not contain control characters", value)
+    try:
+        return uuid.UUID(text) if len(text) >= 32 else text
+    except ValueError:
+        return text
+
+
+def find_steps(ref: object, field: str = "job") -> Reads[uuid.UUID]:
+    """The id of the job ``ref`` names: an id, else a business key, else an
+    id prefix (which must name exactly one job)."""
+    checked = check_reference(ref, field)
+    if isinstance(checked, uuid.UUID):
+        return checked
+    found = (yield select(job.c.id).where(job.c.key == checked)).first()
+    if found is not None:
+        return uuid.UUID(str(found.id))
+    digits = id_prefix(checked)
+    if digits is None:
+        raise JobNotFoundError(repr(checked))
+    lo, hi = prefix_range(digits)
+    rows = (yield select(job.c.id).where(job.c.id >= lo, job.c.id <= hi)
+            .order_by(job.c.id).limit(CANDIDATES + 1)).all()
+    if not rows:
+        raise JobNotFoundError(repr(checked))
+    if len(rows) > 1:
+        raise AmbiguousJobError(field, checked, [str(r.id) for r in rows[:CANDIDATES]],
+                                more=len(rows) > CANDIDATES)
+    return uuid.UUID(str(rows[0].id))
+
+
+def record_steps(ref: object) -> Reads[JobInfo]:
+    """What :meth:`Duebox.get_job` reads: find the job, then its row."""
+    jid = yield from find_steps(ref, "id_or_key")
+    row = (yield select(*_VIEW_COLUMNS).where(job.c.id == jid)).first()
+    if row is None:  # purged between the two reads
+        raise JobNotFoundError(jid)
+    return _from_row(JobView, row).record()
+
+
+def run_reads(conn: Connection, steps: Reads[R]) -> R:
+    """Run read steps on a sync connection."""
+    try:
+        stmt = next(steps)
+        while True:
+            stmt = steps.send(conn.execute(stmt))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def find_job(engine: Engine, ref: object, field: str = "JOB") -> uuid.UUID:
+    with db_errors("jobs show"), engine.connect() as conn:
+        return run_reads(conn, find_steps(ref, field))
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    """What ``duebox jobs list`` asks for."""
+
+    state: str | None = None
+    queue: str | None = None
+    task: str | None = None
+    key_prefix: str | None = None
+    limit: int = 50
+
+
+def _like_prefix(text: str) -> str:
+    """``text`` as a LIKE prefix pattern: its own % and _ match only themselves."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def list_jobs(engine: Engine, f: JobFilter) -> list[JobView]:
+    """The latest jobs by due time matching ``f`` (at most ``f.limit``)."""
+    stmt = select(*_VIEW_COLUMNS)
+    if f.state:
+        stmt = stmt.where(job.c.state == f.state.upper())
+    if f.queue:
+        stmt = stmt.where(job.c.queue == f.queue)
+    if f.task:
+        stmt = stmt.where(job.c.task == f.task)
+    if f.key_prefix:
+        stmt = stmt.where(job.c.key.like(_like_prefix(f.key_prefix), escape="\\"))
+    stmt = stmt.order_by(job.c.due_at.desc(), job.c.id.desc()).limit(f.limit)
+    with db_errors("jobs list"), engine.connect() as conn:
+        return [_from_row(JobView, r) for r in conn.execute(stmt).all()]
+
+
+def payloads(conn: Connection, ids: list[uuid.UUID]) -> dict[uuid.UUID, Any]:
+    """The payloads of a page of jobs (primary-key lookups): what masking a
+    page's error text needs."""
+    if not ids:
+        return {}
+    rows = conn.execute(select(job.c.id, job.c.payload).where(job.c.id.in_(ids))).all()
+    return {r.id: r.payload for r in rows}
+
+
+# A job's attempts and audit rows are few; these caps keep a pathological
+# one (replayed thousands of times) from turning a page into a huge read.
+DETAIL_CAP = 500
+
+
+def load_job(engine: Engine, job_id: uuid.UUID, cap: int = DETAIL_CAP) -> JobDetail:
+    """The job, its attempts and its audit rows (primary key and the
+    ``job_id`` indexes; at most ``cap`` of each, the latest)."""
+    with db_errors("jobs show"), engine.connect() as conn:
+        row = conn.execute(select(*_VIEW_COLUMNS).where(job.c.id == job_id)).first()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        attempts = conn.execute(
+            select(attempt).where(attempt.c.job_id == job_id)
+            .order_by(attempt.c.number.desc()).limit(cap)
+        ).all()
+        audits = conn.execute(
+            select(audit).where(audit.c.job_id == job_id).order_by(audit.c.at.desc()).limit(cap)
+        ).all()
+    return JobDetail(_from_row(JobView, row),
+                     sorted((_from_row(AttemptView, a) for a in attempts),
+                            key=lambda a: a.started_at),
+                     sorted((_from_row(AuditView, a) for a in audits), key=lambda a: a.at))
+
+
+# --- where the job is now ---------------------------------------------------------------
+
+
+def _fmt(ts: datetime | None) -> str:
+    return ts.isoformat(timespec="milliseconds") if ts else "-"
+
+
+def where_now(row: JobView, broker_url: str, now: datetime) -> str:
+    """Where the job is now, in words: the database's part from its state,
+    the broker's part from :func:`locate`."""
+    state = row.state
+    if state == JobState.SCHEDULED:
+        wait = (row.due_at - now).total_seconds()
+        if wait > 0:
+            return f"parked in the database, due in {wait:.1f} s"
+        return f"in the database, due {-wait:.1f} s ago, waiting to be claimed"
+    if state == JobState.DISPATCHING:
+        return f"claimed by relay {row.lease_owner}, lease until {_fmt(row.lease_until)}"
+    if state == JobState.ENQUEUED:
+        mid = f" as message {row.broker_message_id}" if row.broker_message_id else ""
+        return f"{locate(broker_url, row, now)}{mid}, handed over {_fmt(row.published_at)}"
+    if state == JobState.RUNNING:
+        return f"running on {row.lease_owner}, lease until {_fmt(row.lease_until)}"
+    return f"finished: {state}"
+
+
+def _amqp_tier(row: JobView, now: datetime) -> str | None:
+    """The tier queue (level.digit) the message sits in: its stops run from
+    the most significant digit down (duebox.brokers.amqp_topology)."""
+    if row.published_at is None:
+        return None
+    # The one upward import left on this floor; it goes with locate() (see there).
+    from duebox.brokers.amqp_topology import LEVELS, RADIX, delay_ms, tier_digits
+
+    ms = delay_ms((row.due_at - row.published_at).total_seconds())
+    elapsed = (now - row.published_at).total_seconds() * 1000
+    stops = [(LEVELS - 1 - i, d) for i, d in enumerate(tier_digits(ms)) if d]
+    passed = 0.0
+    for n, (level, digit) in enumerate(stops, 1):
+        passed += digit * RADIX**level
+        if elapsed < passed:
+            return f"tier {level}.{digit:x} (stop {n} of {len(stops)})"
+    return "its last tier"
+
+
+def locate(broker_url: str, row: JobView, now: datetime) -> str:
+    """Where an ENQUEUED job's message is, from the backend's delay mechanism
+    and the delay it was published with.
+
+    The only place that switches on broker schemes for reading; it becomes
+    ``broker.locate(row, now)`` (each backend its own words, a generic
+    default) when the broker seam has that method."""
+    scheme = urlsplit(broker_url).scheme.lower().split("+")[0]
+    wait = (row.due_at - now).total_seconds()
+    due = f"due in {wait:.1f} s" if wait > 0 else "due, waiting for a worker"
+    if scheme == "sqs":
+        where = "in SQS delay (DelaySeconds)" if wait > 0 else "visible in the SQS queue"
+    elif scheme in ("amqp", "amqps"):
+        tier = _amqp_tier(row, now) if wait > 0 else None
+        where = (f"in RabbitMQ delay {tier} (tier topology; with the delayed-message plugin, "
+                 "in its exchange)" if tier else f"in the RabbitMQ queue {row.queue}")
+    elif scheme in ("redis", "rediss"):
+        where = ("in the Redis index (sorted set by due time)" if wait > 0
+                 else f"in the Redis ready stream of {row.queue}")
+    elif scheme == "kafka":
+        where = f"in the Kafka topic of {row.queue}"
+    else:
+        where = f"in the {scheme} broker"
+    return f"{where}, {due}"

@@ -1,0 +1,88 @@
+"""Reconciliation: jobs the database says are ``ENQUEUED`` but the broker no
+longer holds (Redis restarted empty) go back to ``SCHEDULED``, fenced by
+version and publish time, and the relay publishes them again in the same
+pass.  At once when the broker reports it may have lost data, else on a
+slow sweep; a sweep walks every ``ENQUEUED`` job in bounded pages, a few per
+pass.  Brokers that cannot tell what they hold (``missing`` returns None)
+are never asked again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from duebox import recovery
+from duebox.db import db_errors
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+    from duebox.brokers.base import Broker
+
+log = logging.getLogger("duebox.relay")
+
+# Reconciliation pages (of ``batch_size`` jobs) per pass while a sweep runs.
+_SWEEP_PAGES_PER_PASS = 4
+
+
+class Reconciler:
+    def __init__(self, app: Duebox, broker: Broker, batch_size: int, interval: float,
+                 *, active: bool) -> None:
+        self.app = app
+        self.broker = broker
+        self.batch_size = batch_size
+        self.interval = interval
+        self.active = active  # False: the broker cannot tell (or needs no reconciling)
+        self.sweeping = False
+        self._last = -float("inf")
+        self._sweep: tuple[datetime, uuid.UUID] | None = None
+
+    async def step(self) -> int:
+        """One pass's share of reconciliation: the number of jobs requeued."""
+        if not self.active:
+            return 0
+        if not self.sweeping:
+            lost = await self.broker.data_lost()
+            if not lost and time.monotonic() - self._last < self.interval:
+                return 0
+            if lost:
+                # INFO: on a broker's first use this is routine; the sweep
+                # warns if it finds messages actually missing.
+                log.info("the broker's state is new to this relay (its first use, or it "
+                         "restarted empty): checking that every enqueued job is still there")
+            self._last = time.monotonic()
+            self.sweeping, self._sweep = True, None
+        requeued = 0
+        for _ in range(_SWEEP_PAGES_PER_PASS):
+            refs = await asyncio.to_thread(self._page, self._sweep)
+            missing = await self.broker.missing(refs)
+            if missing is None:
+                self.active = self.sweeping = False
+                return 0
+            if missing:
+                gone = set(missing)
+                requeued += await asyncio.to_thread(
+                    self._requeue, [r for r in refs if r.id in gone])
+            if len(refs) < self.batch_size:
+                self.sweeping = False
+                break
+            self._sweep = (refs[-1].due_at, refs[-1].id)
+        if requeued:
+            log.warning("%d enqueued jobs were missing from the broker; publishing them again",
+                        requeued)
+        return requeued
+
+    def _page(self, after: tuple[datetime, uuid.UUID] | None) -> list[recovery.EnqueuedRef]:
+        with db_errors("reconcile"), self.app.engine.connect() as conn:
+            return recovery.enqueued_page(conn, after=after, limit=self.batch_size)
+
+    def _requeue(self, refs: list[recovery.EnqueuedRef]) -> int:
+        with db_errors("reconcile"), self.app.engine.begin() as conn:
+            return recovery.requeue_lost(conn, refs=refs, now=self.app.clock.now())
+
+
+__all__ = ["Reconciler"]

@@ -1,0 +1,136 @@
+"""What the relay counts: each pass's figures, the running totals, and the
+Prometheus metrics they feed (docs/observability.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from duebox.heartbeat import prune
+from duebox.metrics import DBCollector, Metrics, seconds
+from duebox.records import JobRecord
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+
+    from .scale import ScaleControls
+
+
+@dataclass
+class PassStats:
+    claimed: int = 0
+    published: int = 0
+    marked: int = 0
+    lost_marks: int = 0
+    held: int = 0
+    expired: int = 0
+    failed: int = 0
+    recovered: int = 0
+    reconciled: int = 0
+    occurrences: int = 0  # schedule occurrences generated
+    caught_up: int = 0  # overdue jobs claimed by the rate-limited catch-up claim
+    fenced: int = 0  # claimed jobs dropped unpublished: their shard lease was lost
+
+
+@dataclass
+class RelayTotals(PassStats):
+    passes: int = 0
+    errors: int = 0
+
+
+class RelayMetrics:
+    """The relay's event metrics, labelled by backend (and queue)."""
+
+    def __init__(self, metrics: Metrics, backend: str) -> None:
+        self.backend = backend
+        self.totals = RelayTotals()
+        self.use(metrics)
+
+    def use(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._by_queue: dict[str, tuple[Any, Any, Any]] = {}
+        self._dispatch_lag = metrics.dispatch_lag.labels(self.backend)
+
+    def _queue(self, queue: str) -> tuple[Any, Any, Any]:
+        """The per-queue metric children (claimed, scheduling lag, published):
+        ``labels()`` per job cost more than the rest of the bookkeeping."""
+        found = self._by_queue.get(queue)
+        if found is None:
+            m, b = self.metrics, self.backend
+            found = self._by_queue[queue] = (m.claimed.labels(b, queue),
+                                             m.scheduling_lag.labels(b, queue),
+                                             m.published.labels(b, queue))
+        return found
+
+    def claimed(self, records: Iterable[JobRecord], now: datetime) -> None:
+        """A fresh claim: per queue, how many and how late (claim - due, 0
+        when claimed ahead)."""
+        counts: dict[str, int] = {}
+        for rec in records:
+            counts[rec.queue] = counts.get(rec.queue, 0) + 1
+            self._queue(rec.queue)[1].observe(seconds(now, rec.due_at))
+        for queue, n in counts.items():
+            self._queue(queue)[0].inc(n)
+
+    def published(self, records: Iterable[JobRecord], ok: set[object], now: datetime,
+                  claimed_at: datetime | None, lead: float) -> None:
+        """Dispatch lag: publish minus the moment the job could be published
+        (its claim, or its release time when it was held ``lead`` before due)."""
+        lag = self._dispatch_lag
+        ahead = timedelta(seconds=lead)
+        counts: dict[str, int] = {}
+        for rec in records:
+            if rec.id in ok:
+                # Released by the timer: its release time; published ahead
+                # (the broker delays it) or overdue: the claim.
+                ready = rec.due_at - ahead
+                if now < ready or (claimed_at is not None and claimed_at > ready):
+                    ready = claimed_at or now
+                counts[rec.queue] = counts.get(rec.queue, 0) + 1
+                lag.observe(seconds(now, ready))
+        for queue, n in counts.items():
+            self._queue(queue)[2].inc(n)
+
+    def recovered(self, kinds: dict[str, int]) -> None:
+        for kind, n in kinds.items():
+            if n:
+                self.metrics.recovered.labels(kind).inc(n)
+
+    def info(self) -> dict[str, object]:
+        """This relay's figures in its registry row."""
+        t = self.totals
+        return {"role": "relay", "backend": self.backend, "passes": t.passes,
+                "claimed": t.claimed, "published": t.published, "errors": t.errors}
+
+    def add(self, stats: PassStats, a_pass: bool = True) -> None:
+        """A pass (or a timer's publish, ``a_pass=False``) into the counters
+        and totals."""
+        m, b = self.metrics, self.backend
+        if a_pass:
+            m.relay_passes.labels(b).inc()
+        for counter, n in ((m.marked, stats.marked), (m.lost_marks, stats.lost_marks),
+                           (m.expired, stats.expired), (m.publish_failed, stats.failed),
+                           (m.reconciled, stats.reconciled)):
+            if n:
+                counter.labels(b).inc(n)
+        t = self.totals
+        t.passes += a_pass
+        for name in PassStats.__dataclass_fields__:
+            setattr(t, name, getattr(t, name) + getattr(stats, name))
+
+
+def collect(app: Duebox, collector: DBCollector, scale: ScaleControls) -> None:
+    """The database snapshot behind the state gauges, what workers report
+    (for backpressure), and pruning of expired registry rows (run by the
+    relay's heartbeat task)."""
+    now = app.clock.now()
+    snap = collector.collect(app.engine, now)
+    scale.observe_workers(snap.processes, collector.interval)
+    if snap.expired_processes:
+        with app.engine.begin() as conn:
+            prune(conn, now=now, names=snap.expired_processes)
+
+
+__all__ = ["PassStats", "RelayMetrics", "RelayTotals", "collect"]
