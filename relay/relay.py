@@ -117,7 +117,7 @@ class Relay:
         # (Capabilities.ordering).  asyncio.Lock wakes its waiters in order.
         self._publishing = asyncio.Lock()
         self._claims = itertools.count()
-        self.schedules = ScheduleStep(app, self.batch_size)
+        self.schedules = ScheduleStep(app, self.batch_size, process=self.name)
         self.catchup = CatchUp(app, self.batch_size)
         # Operating at scale (docs/scale.md): fair, rate-limited claims and
         # fenced shard ownership; both off unless configured.
