@@ -37,6 +37,7 @@ from .schedules import Schedules
 from .seam import BrokerContext
 from .targets import AsyncTarget, SyncTarget
 from .tasks import Handler, RetryPolicy, Task, check_task_seconds, validate_task_options
+from .tracing import stamp
 from .values import aware, check_json, check_operator, check_optional_str, encode_json
 
 if TYPE_CHECKING:
@@ -251,10 +252,11 @@ class Duebox:
             raise ValidationError("expires_at", "must be later than the job's due time", expires_at)
         payload_json = encode_json(payload)
         size = json_size(payload_json)
+        if headers is not None and not isinstance(headers, dict):
+            raise ValidationError("headers", "must be a dict", headers)
+        headers = stamp(headers, name, task.queue)  # the trace context, when traced
         headers_json = None
         if headers is not None:
-            if not isinstance(headers, dict):
-                raise ValidationError("headers", "must be a dict", headers)
             headers_json = encode_json(headers, "headers")
             size += json_size(headers_json)
         check_size(size, *self.payload_limit())

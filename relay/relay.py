@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from duebox import claims, dispatched, jobstore
+from duebox import claims, dispatched, jobstore, tracing
 from duebox.brokers.base import Broker, Outgoing, open_broker
 from duebox.config import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
@@ -417,7 +417,8 @@ class Relay:
         batch = [Outgoing(r.to_message(), self._held.delay(r, now)) for r in records]
         started = time.monotonic()
         try:
-            results = await self.broker.publish(batch)
+            with tracing.publish_span([r.headers for r in records], self.backend):
+                results = await self.broker.publish(batch)
         except Exception as exc:  # an outage, or any client's own exception
             self.scale.backpressure.observe(len(batch), time.monotonic() - started, error=True)
             self._log.warning(f"publish:{kind_of(exc)}", "publish of %d jobs failed: %s: %s",
