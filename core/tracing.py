@@ -27,13 +27,14 @@ caller put in ``headers=`` is kept as it is.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Link, Span
+    from opentelemetry.trace import Link, Span, Tracer
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -43,6 +44,15 @@ _SYSTEM = "duebox"
 # A batch publish links at most this many jobs (OpenTelemetry SDKs drop
 # links beyond 128 by default).
 _MAX_LINKS = 128
+
+
+@functools.lru_cache(maxsize=1)
+def _tracer() -> Tracer:
+    # A proxy until the application sets its provider, then that provider's
+    # tracer: safe to keep, and cheaper than a look-up per job.
+    from opentelemetry import trace
+
+    return trace.get_tracer(_SCOPE)
 
 
 def enabled() -> bool:
@@ -59,11 +69,15 @@ def stamp(headers: dict[str, Any] | None, task: str, queue: str) -> dict[str, An
         return headers
     from opentelemetry import propagate, trace
 
-    tracer = trace.get_tracer(_SCOPE)
-    span = tracer.start_span(f"schedule {task}", kind=trace.SpanKind.PRODUCER, attributes={
+    if isinstance(trace.get_tracer_provider(),
+                  trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+        return headers  # the API alone, no SDK configured: nothing would record
+    span = _tracer().start_span(f"schedule {task}", kind=trace.SpanKind.PRODUCER, attributes={
         "messaging.system": _SYSTEM, "messaging.operation.type": "create",
         "messaging.destination.name": queue, "duebox.task": task})
     try:
+        if not span.get_span_context().is_valid:
+            return headers  # the API alone (no SDK): a no-op span, nothing to store
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
     finally:
@@ -100,8 +114,7 @@ def publish_span(headers_of: Sequence[Mapping[str, Any] | None], backend: str
         return
     from opentelemetry import trace
 
-    tracer = trace.get_tracer(_SCOPE)
-    with tracer.start_as_current_span(
+    with _tracer().start_as_current_span(
             "publish", kind=trace.SpanKind.PRODUCER, links=_links(headers_of), attributes={
                 "messaging.system": _SYSTEM, "messaging.operation.type": "send",
                 "messaging.batch.message_count": len(headers_of),
@@ -120,8 +133,7 @@ def attempt_span(task: str, queue: str, job_id: object, attempt: int,
         return
     from opentelemetry import trace
 
-    tracer = trace.get_tracer(_SCOPE)
-    with tracer.start_as_current_span(
+    with _tracer().start_as_current_span(
             f"process {task}", kind=trace.SpanKind.CONSUMER, links=_links([headers]),
             record_exception=True, attributes={
                 "messaging.system": _SYSTEM, "messaging.operation.type": "process",
