@@ -18,10 +18,9 @@ Three spans per job, joined by the W3C trace context the job carries:
   handler's own spans nest under it.
 
 duebox never imports OpenTelemetry first: tracing is on when the
-application has imported ``opentelemetry.trace`` (it configures a tracer
-provider, or a library it uses did).  Without the extra, or with it but
-unused, nothing is imported and nothing changes: no header is added (a
-no-op tracer has no valid span context to write).  A ``traceparent`` the
+application has imported ``opentelemetry.trace`` and set a tracer provider
+(an SDK's).  Without the extra, or with the API but no provider, nothing is
+imported (or nothing is made) and nothing changes: no span, no header.  A ``traceparent`` the
 caller put in ``headers=`` is kept as it is.
 """
 
@@ -56,8 +55,16 @@ def _tracer() -> Tracer:
 
 
 def enabled() -> bool:
-    """Whether the application uses OpenTelemetry (has imported its API)."""
-    return "opentelemetry.trace" in sys.modules
+    """Whether spans would be recorded: the application has imported
+    OpenTelemetry's API and configured a tracer provider (an SDK's).  The
+    API alone (FastAPI imports it, for one) has only no-op spans: duebox
+    then makes none and stores no header."""
+    if "opentelemetry.trace" not in sys.modules:
+        return False
+    from opentelemetry import trace
+
+    return not isinstance(trace.get_tracer_provider(),
+                          trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
 def stamp(headers: dict[str, Any] | None, task: str, queue: str) -> dict[str, Any] | None:
@@ -69,15 +76,12 @@ def stamp(headers: dict[str, Any] | None, task: str, queue: str) -> dict[str, An
         return headers
     from opentelemetry import propagate, trace
 
-    if isinstance(trace.get_tracer_provider(),
-                  trace.ProxyTracerProvider | trace.NoOpTracerProvider):
-        return headers  # the API alone, no SDK configured: nothing would record
     span = _tracer().start_span(f"schedule {task}", kind=trace.SpanKind.PRODUCER, attributes={
         "messaging.system": _SYSTEM, "messaging.operation.type": "create",
         "messaging.destination.name": queue, "duebox.task": task})
     try:
         if not span.get_span_context().is_valid:
-            return headers  # the API alone (no SDK): a no-op span, nothing to store
+            return headers  # a provider that records nothing: nothing to store
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
     finally:

@@ -4,9 +4,10 @@ session's other tests must not be traced).
 
     python tests/procs/traced_run.py DATABASE_URL BROKER_URL
 
-Schedules ``effect`` and ``flaky`` (fails its first attempt) inside a
-``request`` span, runs them to SUCCEEDED, then prints one JSON object: the
-finished spans and the jobs' stored headers.
+Schedules ``effect``, ``flaky`` (fails its first attempt) and ``noop`` (with
+a ``traceparent`` of its own) inside a ``request`` span, runs them to
+SUCCEEDED, then prints one JSON object: the finished spans and the jobs'
+stored headers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from sqlalchemy.orm import Session
 
 import duebox
 from duebox import RetryPolicy
+
+GIVEN = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def shown(span: ReadableSpan) -> dict[str, Any]:
@@ -61,7 +64,10 @@ async def main(database_url: str, broker_url: str) -> None:
     tracer = trace.get_tracer("the-app")
     with tracer.start_as_current_span("request"), Session(app.engine) as s, s.begin():
         ids = {"effect": app.schedule(s, "effect", {"n": 1}, delay=0.3),
-               "flaky": app.schedule(s, "flaky", None, delay=0.3)}
+               "flaky": app.schedule(s, "flaky", None, delay=0.3),
+               # A trace context of the caller's own: kept as given.
+               "noop": app.schedule(s, "noop", None, delay=0.3,
+                                    headers={"traceparent": GIVEN})}
     async with Running(app) as r:
         await r.wait(lambda: all(job_row(app.engine, i).state == "SUCCEEDED"
                                  for i in ids.values()), timeout=60, what="both jobs")
