@@ -130,11 +130,12 @@ def schedules_list(app_spec: str | None, database_url: str | None,
     if not infos:
         click.echo("no schedules")
         return
-    click.echo(f"{'name':<24} {'cron':<18} {'zone':<20} {'next fire (UTC)':<21} {'state':<7} id")
+    click.echo(f"{'name':<24} {'cron':<18} {'zone':<20} {'next fire (UTC)':<21} {'state':<7} "
+               f"{'origin':<6} id")
     for i in infos:
         nxt = _utc(i.next_fire_at) if i.next_fire_at and not i.paused else "-"
         click.echo(f"{shown(i.name):<24} {i.cron:<18} {i.timezone:<20} {nxt:<21} "
-                   f"{'paused' if i.paused else 'active':<7} {i.id}")
+                   f"{'paused' if i.paused else 'active':<7} {i.origin:<6} {i.id}")
 
 
 @schedules.command("show")

@@ -169,6 +169,9 @@ def test_cli_add_update(runner: CliRunner, database_url: str,
         "schedule_update", "ci", "deploy", 2)
     shown = runner.invoke(cli, ["schedules", "show", "nightly"]).output
     assert "made by hand" in shown
+    listed = runner.invoke(cli, ["schedules", "list"]).output.splitlines()
+    assert listed[0].split()[-2:] == ["origin", "id"]
+    assert listed[1].split()[-2] == "api"
 
 
 # --- migration 0007 -------------------------------------------------------------------
