@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
-from duebox.brokers.base import parse_params
 from duebox.message import JobMessage
 
 BATCH = 500  # the relay's batch size, used wherever a baseline batches
@@ -41,7 +40,7 @@ def redis_zadd(url: str, n: int) -> dict[str, Any]:
     the relay's publish, without its message and reconciliation hashes."""
     import redis
 
-    from duebox.brokers.redis import RedisSettings
+    from duebox.brokers.redis_settings import RedisSettings
 
     settings = RedisSettings.from_url(url)
     key = f"{settings.prefix}:raw:due"
@@ -114,7 +113,7 @@ def sqs_batch(url: str, n: int, threads: int = 8) -> dict[str, Any]:
 
     from duebox.brokers.sqs_settings import SQSSettings
 
-    settings = SQSSettings.from_url(url, parse_params(url))
+    settings = SQSSettings.from_url(url)
     client = boto3.client("sqs", endpoint_url=settings.endpoint, region_name="us-east-1",
                           aws_access_key_id="test", aws_secret_access_key="test",
                           config=botocore.config.Config(max_pool_connections=threads + 8))
@@ -197,7 +196,7 @@ def kafka_producers(url: str, n: int) -> dict[str, Any]:
     (the mock): by auto-creation on first metadata request."""
     from duebox.brokers.kafka_settings import KafkaSettings
 
-    settings = KafkaSettings.from_url(url, parse_params(url))
+    settings = KafkaSettings.from_url(url)
     bootstrap = list(settings.bootstrap)
     result = asyncio.run(_aiokafka(bootstrap, settings.prefix + "raw", n))
     result["librdkafka"] = _librdkafka(bootstrap, settings.prefix + "raw_c", n)

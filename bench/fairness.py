@@ -32,7 +32,7 @@ import sys
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -41,7 +41,13 @@ import sqlalchemy as sa
 
 import duebox
 from duebox import FakeClock, JobMessage, migrate
-from duebox.brokers.base import Broker, BrokerContext, Delivery, Outgoing, PublishResult
+from duebox.brokers.base import (
+    BrokerContext,
+    Delivery,
+    Outgoing,
+    PublishingBroker,
+    PublishResult,
+)
 from duebox.brokers.memory import MemoryBroker
 from duebox.dispatch_policy import DispatchPolicy
 from duebox.relay import Relay
@@ -52,7 +58,7 @@ T0 = datetime(2030, 1, 1, tzinfo=UTC)
 STEP = 0.1
 
 
-class Recording(Broker):
+class Recording(PublishingBroker):
     capabilities = replace(MemoryBroker.capabilities, name="recording")
 
     def __init__(self, url: str, context: BrokerContext) -> None:
@@ -64,7 +70,8 @@ class Recording(Broker):
         self.log.extend((now, o.message) for o in batch)
         return [PublishResult(o.message.job_id, True) for o in batch]
 
-    def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    def consume(self, queues: Sequence[str], prefetch: int,
+                wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         raise NotImplementedError
 
 

@@ -1,11 +1,12 @@
-"""Small pieces the ``sqs://`` and ``kafka://`` backends share: URL parameter
-checks that name the parameter, and safe tokens for names and ids."""
+"""Small pieces the backends share: URL parameter checks that name the
+parameter and the rule, and safe tokens for names and ids."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 import re
+from collections.abc import Mapping
 
 from duebox.errors import ConfigurationError
 
@@ -13,9 +14,13 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def number(params: dict[str, str], name: str, default: float, *, low: float,
-           high: float = math.inf, integer: bool = False) -> float:
-    """``?name=`` as a number in ``[low, high]``, or ``default`` when absent."""
+def number(params: Mapping[str, str], name: str, default: float, *, low: float,
+           high: float = math.inf, integer: bool = False, seconds: bool = False,
+           above: bool = False) -> float:
+    """``?name=`` as a number in ``[low, high]`` (``above``: ``(low, high]``),
+    or ``default`` when absent.  The one parser of every backend's URL
+    numbers: an error names the parameter and the rule (``seconds``: the
+    rule says the unit)."""
     raw = params.get(name)
     if raw is None:
         return default
@@ -23,16 +28,17 @@ def number(params: dict[str, str], name: str, default: float, *, low: float,
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or not low <= value <= high or (
-            integer and value != int(value)):
-        kind = "an integer" if integer else "a number"
+    if not math.isfinite(value) or not (low < value if above else low <= value) or (
+            value > high) or (integer and value != int(value)):
+        kind = "an integer" if integer else "a number of seconds" if seconds else "a number"
         upper = "" if high == math.inf else f" and <= {high:g}"
         raise ConfigurationError(
-            f"broker_url: {name} must be {kind} >= {low:g}{upper} (got {raw!r})")
+            f"broker_url: {name} must be {kind} {'>' if above else '>='} {low:g}{upper} "
+            f"(got {raw!r})")
     return value
 
 
-def flag(params: dict[str, str], name: str, default: bool) -> bool:
+def flag(params: Mapping[str, str], name: str, default: bool) -> bool:
     raw = params.get(name)
     if raw is None:
         return default
@@ -43,7 +49,7 @@ def flag(params: dict[str, str], name: str, default: bool) -> bool:
     raise ConfigurationError(f"broker_url: {name} must be true or false (got {raw!r})")
 
 
-def name_param(params: dict[str, str], name: str, default: str, pattern: str,
+def name_param(params: Mapping[str, str], name: str, default: str, pattern: str,
                rule: str) -> str:
     value = params.get(name, default)
     if not re.fullmatch(pattern, value):

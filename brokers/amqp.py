@@ -27,12 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
-from duebox.errors import BrokerError, ConfigurationError, DueboxError, ValidationError
+from duebox.errors import BrokerError, DueboxError, ValidationError
 from duebox.logs import CollapsedLog
 
 from .amqp_link import (
@@ -45,30 +45,27 @@ from .amqp_link import (
     pika_parameters,
     properties,
 )
-from .amqp_topology import (
-    MAX_DELAY_MS,
-    MODES,
-    ExchangeDecl,
-    Topology,
-    check_queue_name,
-)
+from .amqp_settings import OWN_PARAMS, AMQPSettings, topology_of
+from .amqp_topology import MAX_DELAY_MS, ExchangeDecl, check_queue_name, delay_ms, tier_at
 from .base import (
     HANDOVER_LEAD,
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
     Durability,
     Ordering,
     Outgoing,
+    PublishingBroker,
     PublishResult,
     parse_params,
     refused,
 )
 
+if TYPE_CHECKING:
+    from duebox.recovery import EnqueuedRef
+
 log = logging.getLogger("duebox.brokers.amqp")
 
-OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "confirm_timeout"})
 # RabbitMQ's default max_message_size (3.8+): larger messages close the channel.
 PAYLOAD_LIMIT = 128 * 1024 * 1024
 _YIELD_EVERY = 64
@@ -77,7 +74,7 @@ _YIELD_EVERY = 64
 _RETIRED_MOST = 4
 
 
-class AMQPBroker(Broker):
+class AMQPBroker(PublishingBroker):
     capabilities = Capabilities(
         name="amqp",
         max_delay=MAX_DELAY_MS / 1000,
@@ -99,15 +96,12 @@ class AMQPBroker(Broker):
 
     def __init__(self, url: str, context: BrokerContext) -> None:
         super().__init__(url, context)
-        self.topology = _topology(self.params)
-        p = self.params
-        self.mode = p.get("delay_mode", "auto")
-        if self.mode not in MODES:
-            raise ConfigurationError(
-                f"broker_url: delay_mode must be one of {', '.join(MODES)} (got {self.mode!r})")
-        self.confirm_timeout = _positive(p, "confirm_timeout", 30.0)
+        self.settings = AMQPSettings.from_url(url)
+        self.topology = self.settings.topology
+        self.mode = self.settings.delay_mode
+        self.confirm_timeout = self.settings.confirm_timeout
         self.pika_params = pika_parameters(url, context.worker_name, OWN_PARAMS)
-        self.plugin: bool | None = {"auto": None, "tiers": False, "plugin": True}[self.mode]
+        self.plugin: bool | None = self.settings.plugin
         self._why = f"delay_mode={self.mode}"  # why this mode: the connected line says it
         self._lock = asyncio.Lock()
         self._link: Link | None = None
@@ -123,7 +117,7 @@ class AMQPBroker(Broker):
     def check_queue_name(cls, url: str, name: str) -> None:
         """No ``*`` or ``#`` word (topic wildcards in the tier bindings), at
         most 255 bytes with the prefix and the tier routing key."""
-        check_queue_name(_topology(parse_params(url)), name)
+        check_queue_name(topology_of(parse_params(url)), name)
 
     # --- connection ----------------------------------------------------------
 
@@ -274,9 +268,20 @@ class AMQPBroker(Broker):
                 results[i] = PublishResult(msg.job_id, False, error=error)
         return [r for r in results if r is not None]
 
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        """The tier a delayed message is in, from the delay it was published
+        with (or the plugin's exchange: which one is decided at connect)."""
+        if job.due_at <= now or job.published_at is None:
+            return f"in the RabbitMQ queue {job.queue}"
+        ms = delay_ms((job.due_at - job.published_at).total_seconds())
+        elapsed = (now - job.published_at).total_seconds() * 1000
+        return (f"in RabbitMQ delay {tier_at(ms, elapsed)} (tier topology; with the "
+                f"delayed-message plugin, in its exchange)")
+
     # --- consume -------------------------------------------------------------
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(dict.fromkeys(queues)) or ["default"]
         for name in names:
             check_queue_name(self.topology, name)
@@ -389,22 +394,3 @@ class AMQPBroker(Broker):
         self._log.warning(f"defer:{error}"[:80], "could not defer job %s (%s); it goes back "
                           "to the job table", delivery.message.job_id, error)
         return False
-
-
-def _topology(params: dict[str, str]) -> Topology:
-    return Topology(prefix=params.get("prefix", "duebox"),
-                    queue_type=params.get("queue_type", "classic"))
-
-
-def _positive(params: dict[str, str], name: str, default: float) -> float:
-    raw = params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(f"broker_url: {name} must be a number of seconds > 0 "
-                                 f"(got {raw!r})")
-    return value

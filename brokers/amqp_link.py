@@ -91,11 +91,16 @@ def properties(msg: JobMessage, route: Route) -> Any:
 def pika_parameters(url: str, worker_name: str, own_params: frozenset[str]) -> Any:
     """pika's parameters from the URL without duebox's own query parameters."""
     split = urlsplit(url)
+    if split.username is not None and split.password is None:
+        # pika raises a bare TypeError on such a URL.
+        raise ConfigurationError(
+            f"broker_url: names the user {split.username!r} but no password; write "
+            f"{split.scheme}://USER:PASSWORD@host (or neither, for RabbitMQ's guest:guest)")
     query = [(k, v) for k, v in parse_qsl(split.query, keep_blank_values=True)
              if k not in own_params]
     try:
         params = pika.URLParameters(urlunsplit(split._replace(query=urlencode(query))))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise ConfigurationError(f"broker_url: {exc}") from None
     params.client_properties = {"connection_name": f"duebox {worker_name}"}
     if not any(k == "connection_attempts" for k, _ in query):

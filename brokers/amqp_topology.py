@@ -268,6 +268,19 @@ def tier_digits(ms: int) -> list[int]:
     return [(ms // RADIX**j) % RADIX for j in range(LEVELS - 1, -1, -1)]
 
 
+def tier_at(ms: int, elapsed_ms: float) -> str:
+    """The tier queue (level.digit) a message delayed ``ms`` sits in
+    ``elapsed_ms`` after it was published: its stops run from the most
+    significant digit down."""
+    stops = [(LEVELS - 1 - i, d) for i, d in enumerate(tier_digits(ms)) if d]
+    passed = 0.0
+    for n, (level, digit) in enumerate(stops, 1):
+        passed += digit * RADIX**level
+        if elapsed_ms < passed:
+            return f"tier {level}.{digit:x} (stop {n} of {len(stops)})"
+    return "its last tier"
+
+
 def tier_key(ms: int) -> str:
     return ".".join(f"{d:x}" for d in tier_digits(ms))
 

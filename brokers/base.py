@@ -38,18 +38,19 @@ log = logging.getLogger("duebox.broker")
 if TYPE_CHECKING:
     import uuid
 
+    from duebox.records import JobRecord
     from duebox.recovery import EnqueuedRef
 
 
 @dataclass
 class Delivery:
-    """One message handed to a worker.  ``claimed`` is set by backends that
-    lease the job row themselves (``sql://``); otherwise the worker starts the
-    job with a version-checked update."""
+    """One message handed to a worker.  ``claimed`` is the job's row, leased,
+    from backends that claim it themselves (``sql://``); absent, the worker
+    starts the job with a version-checked update."""
 
     message: JobMessage | None
     raw: Any = None
-    claimed: Any = None
+    claimed: JobRecord | None = None
     # When ``claimed`` was leased: a claim made ahead of the due time, or
     # long before the handler starts, is re-read before it runs.
     claimed_at: datetime | None = None
@@ -78,19 +79,32 @@ def delivery_from_body(body: bytes | str, raw: Any = None, *, max_bytes: int | N
 
 
 class Broker(abc.ABC):
-    """A delivery path.  Implementations are async and safe to use from one loop."""
+    """A delivery path.  Implementations are async and safe to use from one loop.
+
+    Every backend consumes; those the relay publishes to are a
+    :class:`PublishingBroker`.  A backend that is neither (``sql://``: its
+    workers claim due rows from the job table) declares
+    ``Capabilities.direct_claim``, and the relay publishes nothing there.
+    """
 
     capabilities: Capabilities
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        caps = cls.__dict__.get("capabilities")
+        # A backend that declares no direct claim must take the relay's
+        # messages, or its jobs would never reach a worker.
+        if isinstance(caps, Capabilities) and caps.direct_claim == issubclass(
+                cls, PublishingBroker):
+            kind = "must not" if caps.direct_claim else "must"
+            raise TypeError(f"{cls.__name__}: a backend with direct_claim={caps.direct_claim} "
+                            f"{kind} be a PublishingBroker")
 
     def __init__(self, url: str, context: BrokerContext) -> None:
         self.url = url
         self.context = context
         self.params = parse_params(url)
         self.max_delay = effective_max_delay(self.capabilities.max_delay, self.params)
-        # Set by a worker: how many jobs it wants in hand right now (running
-        # or waiting to run).  A backend whose consume claims jobs itself
-        # (sql://) claims up to it rather than a fixed multiple of prefetch.
-        self.wanted: Callable[[], int] | None = None
         # Set by a worker: call when :meth:`registry_info` changed, so the
         # registry row says so at once.
         self.registry_changed: Callable[[], None] | None = None
@@ -116,17 +130,15 @@ class Broker(abc.ABC):
         """Release connections.  Must be idempotent."""
 
     @abc.abstractmethod
-    async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
-        """Hand messages to the broker; return one result per message, in order.
+    def consume(self, queues: Sequence[str], prefetch: int,
+                wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
+        """Yield deliveries for ``queues``, at most ``prefetch`` unacknowledged.
 
-        A result is ``ok`` only when the broker confirmed it durably; the
-        relay marks ``ENQUEUED`` only those.  A message must not become
-        visible to consumers before ``delay`` has passed.
+        ``wanted``: how many jobs the worker wants in hand right now (running
+        or waiting to run).  A backend that claims jobs itself (``sql://``)
+        claims up to it rather than a fixed multiple of ``prefetch``; one
+        that buffers a broker's messages has ``prefetch`` for that.
         """
-
-    @abc.abstractmethod
-    def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
-        """Yield deliveries for ``queues``, at most ``prefetch`` unacknowledged."""
 
     async def ack(self, delivery: Delivery) -> None:  # noqa: B027 - optional hook
         """The job reached a final or rescheduled state: drop the message."""
@@ -168,6 +180,13 @@ class Broker(abc.ABC):
         peer's :meth:`take_over` after its death (Kafka: its group member id)."""
         return {}
 
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        """Where the message of ``job`` (``ENQUEUED``) is at ``now``, in a few
+        words for people (``duebox jobs show``, the dashboard): read from the
+        job's row and this backend's delay mechanism, never from the broker
+        (no network call).  The default names the backend."""
+        return f"in the {self.capabilities.name} broker"
+
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID] | None:
         """Reconciliation: of these ``ENQUEUED`` jobs, the ids whose message
         (at that version) the broker no longer holds; the relay publishes them
@@ -179,6 +198,19 @@ class Broker(abc.ABC):
         it lost its data since the last call (Redis restarted empty), so the
         relay reconciles at once instead of at its next periodic sweep."""
         return False
+
+
+class PublishingBroker(Broker):
+    """A backend the relay hands due jobs to (all but ``sql://``)."""
+
+    @abc.abstractmethod
+    async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
+        """Hand messages to the broker; return one result per message, in order.
+
+        A result is ``ok`` only when the broker confirmed it durably; the
+        relay marks ``ENQUEUED`` only those.  A message must not become
+        visible to consumers before ``delay`` has passed.
+        """
 
 
 async def open_broker(broker: Broker, stop: asyncio.Event) -> bool:

@@ -23,12 +23,9 @@ paused and polling goes on, so a long handler does not make the consumer
 leave its group.  A message received before its due time (clock skew) is held
 in the worker and handed out again when due; its offset stays uncommitted.
 
-Kafka keeps no "is this message still there" index, but a topic that was
-deleted, wiped or cut by retention before its messages were read is noticed:
-:meth:`KafkaBroker.data_lost` watches for a partition whose end offset went
-below what this relay produced to it, and :meth:`KafkaBroker.missing` names
-the ``ENQUEUED`` jobs published before the oldest message the topic still
-holds; the relay publishes those again.
+A topic deleted, wiped or cut by retention before its messages were read is
+noticed (brokers/kafka_reconcile.py) and the relay publishes its jobs again.
+One publish is brokers/kafka_publish.py.
 
 URL: ``kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]?prefix=duebox.&group=duebox
 &partitions=12&replication=&idempotence=auto&fetch_max_wait_ms=500
@@ -44,34 +41,34 @@ import heapq
 import itertools
 import logging
 import random
-import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from duebox.errors import BrokerError, MissingDependencyError, ValidationError
+from duebox.errors import BrokerError, MissingDependencyError
 from duebox.logs import CollapsedLog, kind_of
 
 from .base import (
     HANDOVER_LEAD,
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
     Durability,
     Ordering,
     Outgoing,
+    PublishingBroker,
     PublishResult,
-    parse_params,
-    refused,
 )
 from .kafka_offsets import OffsetTracker, Truncated
+from .kafka_publish import PublishRound
+from .kafka_reconcile import LossWatch
 from .kafka_settings import KafkaSettings
 
 try:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import (
         IncompatibleBrokerVersion,
@@ -105,38 +102,6 @@ async def _stop_quietly(client: Any) -> None:
         log.debug("aiokafka client stop failed: %r", exc)
 
 
-_WORDS: dict[int, struct.Struct] = {}
-
-
-def murmur2(data: bytes) -> int:
-    """Kafka's murmur2 of a record key (the Java client's
-    ``Utils.murmur2``, as aiokafka's ``partitioner.murmur2`` computes it),
-    reading the key four bytes at a time: aiokafka's byte-wise loop was
-    8% of the relay's CPU."""
-    m = 0x5BD1E995
-    length = len(data)
-    h = 0x9747B28C ^ length
-    n = length >> 2
-    words = _WORDS.get(n)
-    if words is None:
-        words = _WORDS[n] = struct.Struct(f"<{n}I")
-    for k in words.unpack_from(data):
-        k = (k * m) & 0xFFFFFFFF
-        k = ((k ^ (k >> 24)) * m) & 0xFFFFFFFF
-        h = ((h * m) & 0xFFFFFFFF) ^ k
-    tail = length & 3
-    if tail:
-        base = length & ~3
-        if tail == 3:
-            h ^= data[base + 2] << 16
-        if tail >= 2:
-            h ^= data[base + 1] << 8
-        h = ((h ^ data[base]) * m) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * m) & 0xFFFFFFFF
-    return h ^ (h >> 15)
-
-
 # How long a client's stop may take before it is abandoned.
 _STOP_TIMEOUT = 10.0
 
@@ -144,7 +109,7 @@ _DEAD_LETTER = "dead-letter"
 _COMMIT_EVERY = 0.2  # seconds between offset commits while messages finish
 
 
-class KafkaBroker(Broker):
+class KafkaBroker(PublishingBroker):
     capabilities = Capabilities(
         name="kafka",
         max_delay=0.0,
@@ -169,7 +134,7 @@ class KafkaBroker(Broker):
     )
 
     def __init__(self, url: str, context: BrokerContext) -> None:
-        self.settings = KafkaSettings.from_url(url, parse_params(url))
+        self.settings = KafkaSettings.from_url(url)
         self.capabilities = replace(type(self).capabilities,
                                     payload_limit=self.settings.max_message_size)
         super().__init__(url, context)
@@ -177,11 +142,8 @@ class KafkaBroker(Broker):
         self._producer: Any = None
         self._idempotent = self.settings.idempotence != "false"
         self._topics: set[str] = set()
-        self._produced: dict[Any, int] = {}  # partition -> highest offset produced + 1
         self._probe: Any = None
-        self._first_check = True
-        self._last_check = time.monotonic()
-        self._oldest: dict[str, tuple[float, float]] = {}  # topic -> (checked at, oldest ts)
+        self.losses = LossWatch(self.settings, self._where(), self._probe_consumer)
         self._topic_names: dict[str, str] = {}
         self._freed = asyncio.Event()
         self._in_flight = 0
@@ -202,7 +164,7 @@ class KafkaBroker(Broker):
     def check_queue_name(cls, url: str, name: str) -> None:
         """Kafka topic names: letters, digits, '.', '-' and '_', 1 to 249 with
         the prefix, not '.' or '..'."""
-        KafkaSettings.from_url(url, parse_params(url)).topic(name)
+        KafkaSettings.from_url(url).topic(name)
 
     def _where(self) -> str:
         return f"Kafka at {','.join(self.settings.bootstrap)}"
@@ -354,108 +316,25 @@ class KafkaBroker(Broker):
     async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
         if not batch:
             return []
-        results: list[PublishResult | None] = [None] * len(batch)
-        topics: dict[str, str] = {}
-        for i, out in enumerate(batch):
-            try:
-                topics[out.message.queue] = self._topic(out.message.queue)
-            except ValidationError as exc:  # no Kafka topic can have this name
-                results[i] = refused(out.message.job_id, exc)
+        round_ = PublishRound(batch, self.settings.max_message_size)
+        topics = round_.topics(self._topic)
         if not topics:
-            return [r for r in results if r is not None]
+            return round_.results()
         await self.ensure_topics(list(topics.values()))
-        p = await self.producer()
-        partitions_of: dict[str, list[int]] = {}
-        # Records go into one batch per partition (the key's murmur2 hash, as
-        # Java clients do): about twice as fast as a send() per record.
-        open_batches: dict[tuple[str, int], tuple[Any, list[int]]] = {}
-        sends: list[tuple[list[int], asyncio.Future[Any]]] = []
-        errors: list[BaseException] = []
-        max_size = self.settings.max_message_size
-
-        async def flush(where: tuple[str, int]) -> None:
-            builder, members = open_batches.pop(where)
-            try:
-                sends.append((members, await p.send_batch(builder, where[0],
-                                                          partition=where[1])))
-            except KafkaError as exc:
-                errors.append(exc)
-                for i in members:
-                    results[i] = PublishResult(batch[i].message.job_id, False, error=str(exc))
-
-        for i, out in enumerate(batch):
-            msg = out.message
-            if results[i] is not None:
-                continue
-            if out.delay > 0:
-                results[i] = PublishResult(msg.job_id, False, error=(
-                    "kafka:// cannot delay a message (max_delay is 0): the relay publishes "
-                    "Kafka jobs at their due time"))
-                continue
-            body = msg.encode()
-            headers = [(k, v.encode()) for k, v in msg.header_map().items()]
-            size = len(body) + sum(map(len, itertools.chain.from_iterable(headers)))
-            if size > max_size:
-                results[i] = refused(msg.job_id, ValidationError(
-                    "payload", f"the message is {size} bytes with its headers; this topic "
-                    f"takes at most {max_size} (max_message_size, which must not exceed the "
-                    f"topic's max.message.bytes)"))
-                continue
-            topic = topics[msg.queue]
-            key = msg.ordering_key().encode()
-            partitions = partitions_of.get(topic)
-            if partitions is None:
-                try:
-                    partitions = partitions_of[topic] = sorted(await p.partitions_for(topic))
-                except KafkaError as exc:
-                    errors.append(exc)
-                    results[i] = PublishResult(msg.job_id, False, error=str(exc))
-                    continue
-            # The Java client's choice (murmur2 of the key), so producers in
-            # other languages put an ordering key in the same partition.
-            where = (topic, partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)])
-            for _ in range(2):
-                entry = open_batches.get(where)
-                if entry is None:
-                    entry = open_batches[where] = (p.create_batch(), [])
-                if entry[0].append(key=key, value=body, timestamp=None, headers=headers):
-                    entry[1].append(i)
-                    break
-                await flush(where)  # full: send it, start another
-        for where in list(open_batches):
-            await flush(where)
-        if sends:
-            await asyncio.wait([f for _, f in sends])
-        reset = False
-        for members, fut in sends:
-            failure = fut.exception()
-            if failure is None:
-                md = fut.result()
-                tp = TopicPartition(md.topic, md.partition)
-                self._produced[tp] = max(self._produced.get(tp, 0), md.offset + len(members))
-                for n, i in enumerate(members):
-                    results[i] = PublishResult(batch[i].message.job_id, True,
-                                               f"{md.topic}:{md.partition}:{md.offset + n}")
-                continue
-            errors.append(failure)
-            reset = reset or not getattr(failure, "retriable", False)
-            if isinstance(failure, UnsupportedVersionError) and self.settings.idempotence == \
-                    "auto" and self._idempotent:
-                log.warning("%s does not support idempotent producers; producing without",
-                            self._where())
-                self._idempotent = False
-            for i in members:
-                results[i] = PublishResult(batch[i].message.job_id, False,
-                                           error=f"{type(failure).__name__}: {failure}")
-        if reset:
+        await round_.send(await self.producer(), topics)
+        round_.settle(self.losses.produced)
+        if round_.unsupported and self.settings.idempotence == "auto" and self._idempotent:
+            log.warning("%s does not support idempotent producers; producing without",
+                        self._where())
+            self._idempotent = False
+        if round_.reset:
             # Fenced, out of sequence, unknown producer id (a broker that lost
             # its state): start over with a fresh producer next time.
             await self._reset_producer()
-        if errors and all(r is not None and not r.ok for r in results) and \
-                not any(r is not None and (r.permanent or (r.error or "").startswith("kafka://"))
-                        for r in results):
-            raise BrokerError(f"{self._where()} refused the publish: {errors[0]}") from errors[0]
-        return [r for r in results if r is not None]
+        if round_.outage():
+            error = round_.errors[0]
+            raise BrokerError(f"{self._where()} refused the publish: {error}") from error
+        return round_.results()
 
     async def _probe_consumer(self) -> Any:
         if self._probe is None:
@@ -470,91 +349,18 @@ class KafkaBroker(Broker):
         return self._probe
 
     async def data_lost(self) -> bool:
-        """True once on first use (a relay that starts after an outage
-        checks), then when a partition's end offset fell below what this
-        process produced to it (the topic was deleted or wiped); looked at
-        every ``check_interval`` seconds."""
-        if self._first_check:
-            self._first_check = False
-            return True
-        if not self._produced or time.monotonic() - self._last_check < \
-                self.settings.check_interval:
-            return False
-        self._last_check = time.monotonic()
-        try:
-            probe = await self._probe_consumer()
-            ends = await probe.end_offsets(list(self._produced))
-        except (KafkaError, BrokerError, OSError) as exc:
-            log.debug("%s: could not read end offsets (%s)", self._where(), exc)
-            if "UnknownTopicOrPartition" in repr(exc) or "not found" in str(exc):
-                self._produced.clear()
-                return True
-            return False
-        lost = [tp for tp, end in ends.items() if end < self._produced.get(tp, 0)]
-        if lost:
-            log.warning("%s: partitions %s hold fewer messages than were produced to them; "
-                        "republishing what they lost", self._where(), lost)
-            self._produced.clear()
-            self._oldest.clear()
-        return bool(lost)
+        return await self.losses.data_lost()
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
-        """Jobs published before the oldest message their topic still holds
-        (all of them when it holds none): deleted, wiped or expired unread."""
-        gone: list[uuid.UUID] = []
-        by_queue: dict[str, list[EnqueuedRef]] = {}
-        for ref in jobs:
-            by_queue.setdefault(ref.queue, []).append(ref)
-        for queue, refs in by_queue.items():
-            oldest = await self._oldest_timestamp(self.settings.topic(queue))
-            for ref in refs:
-                if ref.published_at is None or ref.published_at.timestamp() < oldest:
-                    gone.append(ref.id)
-        return gone
+        return await self.losses.missing(jobs)
 
-    async def _oldest_timestamp(self, topic: str) -> float:
-        """Epoch seconds of the oldest message ``topic`` holds; +inf if none."""
-        cached = self._oldest.get(topic)
-        if cached is not None and time.monotonic() - cached[0] < 1.0:
-            return cached[1]
-        try:
-            probe = await self._probe_consumer()
-            parts = await asyncio.wait_for(self._partitions(probe, topic),
-                                           self.settings.request_timeout_ms / 1000)
-            oldest = float("inf")
-            if parts:
-                begins = await probe.beginning_offsets(parts)
-                ends = await probe.end_offsets(parts)
-                full = [tp for tp in parts if ends[tp] > begins[tp]]
-                if full:
-                    probe.assign(full)
-                    for tp in full:
-                        probe.seek(tp, begins[tp])
-                    firsts: dict[Any, float] = {}
-                    deadline = time.monotonic() + self.settings.request_timeout_ms / 1000
-                    while len(firsts) < len(full) and time.monotonic() < deadline:
-                        got = await probe.getmany(timeout_ms=200, max_records=len(full))
-                        for tp, msgs in got.items():
-                            if msgs and tp not in firsts:
-                                firsts[tp] = msgs[0].timestamp / 1000.0
-                                probe.pause(tp)
-                    # Could not read them all: claim nothing is missing.
-                    oldest = min(firsts.values()) if len(firsts) == len(full) else -oldest
-                    probe.assign([])
-        except (KafkaError, OSError, TimeoutError) as exc:
-            raise BrokerError(f"{self._where()}: reading topic {topic!r} failed: {exc}") from exc
-        self._oldest[topic] = (time.monotonic(), oldest)
-        return oldest
-
-    @staticmethod
-    async def _partitions(probe: Any, topic: str) -> list[Any]:
-        await probe._client.force_metadata_update()
-        found = probe._client.cluster.partitions_for_topic(topic) or set()
-        return [TopicPartition(topic, p) for p in sorted(found)]
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        return f"in the Kafka topic of {job.queue}"
 
     # --- worker side ----------------------------------------------------------------
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(dict.fromkeys(queues)) or ["default"]
         topics = [self.settings.topic(q) for q in names]
         by_topic = dict(zip(topics, names, strict=True))

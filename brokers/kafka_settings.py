@@ -14,6 +14,7 @@ from urllib.parse import unquote, urlsplit
 from duebox.errors import ConfigurationError, ValidationError
 
 from ._common import flag, name_param, number, refuse_unknown
+from .base import parse_params
 
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 URL_PARAMS = frozenset({"security_protocol", "idempotence", "replication", "prefix", "group",
@@ -43,7 +44,8 @@ class KafkaSettings:
     ssl_cafile: str | None = None
 
     @classmethod
-    def from_url(cls, url: str, params: dict[str, str]) -> KafkaSettings:
+    def from_url(cls, url: str) -> KafkaSettings:
+        params = parse_params(url)
         parts = urlsplit(url)
         if parts.scheme != "kafka":
             raise ConfigurationError(f"broker_url: must start with kafka:// (got {url!r})")

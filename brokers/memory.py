@@ -10,18 +10,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from .base import (
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
     Durability,
     Ordering,
     Outgoing,
+    PublishingBroker,
     PublishResult,
 )
 
@@ -38,7 +38,7 @@ class _Hub:
 _HUBS: dict[str, _Hub] = {}
 
 
-class MemoryBroker(Broker):
+class MemoryBroker(PublishingBroker):
     capabilities = Capabilities(
         name="memory",
         max_delay=None,
@@ -73,7 +73,8 @@ class MemoryBroker(Broker):
             results.append(PublishResult(out.message.job_id, True, str(mid)))
         return results
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(queues) or ["default"]
         if len(names) == 1:
             q = self.hub.queues[names[0]]

@@ -35,16 +35,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import itertools
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from duebox.batched import Batched
 from duebox.errors import (
@@ -56,18 +56,20 @@ from duebox.errors import (
 from duebox.logs import CollapsedLog
 from duebox.waiting import wait_any
 
+from . import redis_scripts as scripts
 from .base import (
-    HANDOVER_LEAD,
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
     Durability,
     Ordering,
     Outgoing,
+    PublishingBroker,
     PublishResult,
     refused,
 )
+from .redis_mover import IDLE_WAKE, MOVE_LIMIT, Mover, reraise_lost_cancel, text
+from .redis_settings import Keys, RedisSettings
 
 try:
     import redis.asyncio as aioredis
@@ -80,283 +82,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duebox.brokers.redis")
 
-_OWN_PARAMS = ("prefix", "horizon", "group", "claim_idle", "max_delay")
-_MOVE_LIMIT = 1000  # members per mover call: bounds the time a script blocks Redis
 _PUBLISH_CHUNK = 1000
-_IDLE_WAKE = 1.0  # the mover looks at least this often, in case a wake was missed
-# The mover hands a parked job to its stream this long before its score
-# (base.HANDOVER_LEAD); the worker holds the handler to the due time.
-_MOVE_LEAD_MS = HANDOVER_LEAD * 1000.0
 # Acks wait this long for others to go with them (the slot is free at once).
 _ACK_LINGER = 0.002
 _REFILL_PART = 8  # read again once this part of the prefetch is free
 _PRUNE_EVERY = 600.0  # seconds between sweeps for consumers that left long ago
 
-# KEYS: due, msg, ready, held.  ARGV: now_ms, wake channel, then (id, version,
-# score_ms, body) per message.  Returns per message the stream entry id, "z"
-# (parked) or "stale" (Redis holds a newer version of the job: skipped).
-_PUBLISH = """
-local now = tonumber(ARGV[1])
-local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local oldmin = head[2] and tonumber(head[2])
-local ids = {}
-for i = 3, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
-local curs = redis.call('HMGET', KEYS[4], unpack(ids))
-local newmin = nil
-local zadd, msgs, held, out = {}, {}, {}, {}
-for n, id in ipairs(ids) do
-  local i = 3 + (n - 1) * 4
-  local ver, score, body = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
-  local cur = curs[n]
-  if cur and tonumber(string.match(cur, '^(%d+)|')) > ver then
-    out[n] = 'stale'
-  elseif score <= now then
-    redis.call('ZREM', KEYS[1], id)
-    redis.call('HDEL', KEYS[2], id)
-    local eid = redis.call('XADD', KEYS[3], '*', 'id', id, 'v', ver, 'body', body)
-    redis.call('HSET', KEYS[4], id, ver .. '|' .. eid)
-    out[n] = eid
-  else
-    zadd[#zadd + 1] = score
-    zadd[#zadd + 1] = id
-    msgs[#msgs + 1] = id
-    msgs[#msgs + 1] = body
-    held[#held + 1] = id
-    held[#held + 1] = ver .. '|z'
-    if newmin == nil or score < newmin then newmin = score end
-    out[n] = 'z'
-  end
-end
-if #zadd > 0 then
-  redis.call('ZADD', KEYS[1], unpack(zadd))
-  redis.call('HSET', KEYS[2], unpack(msgs))
-  redis.call('HSET', KEYS[4], unpack(held))
-end
-if newmin and (oldmin == nil or newmin < oldmin) then
-  redis.call('PUBLISH', ARGV[2], tostring(newmin))
-end
-return out
-"""
 
-# KEYS: due, msg, ready, held.  ARGV: now_ms, limit.  Returns {moved, next score or nil}.
-_MOVE = """
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
-if #ids > 0 then
-  local bodies = redis.call('HMGET', KEYS[2], unpack(ids))
-  local curs = redis.call('HMGET', KEYS[4], unpack(ids))
-  redis.call('ZREM', KEYS[1], unpack(ids))
-  redis.call('HDEL', KEYS[2], unpack(ids))
-  local held = {}
-  for n, id in ipairs(ids) do
-    if bodies[n] then
-      local ver = curs[n] and string.match(curs[n], '^(%d+)|') or '0'
-      local eid = redis.call('XADD', KEYS[3], '*', 'id', id, 'v', ver, 'body', bodies[n])
-      held[#held + 1] = id
-      held[#held + 1] = ver .. '|' .. eid
-    end
-  end
-  if #held > 0 then redis.call('HSET', KEYS[4], unpack(held)) end
-end
-local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {#ids, head[2] or false}
-"""
-
-# KEYS: ready, held.  ARGV: group, dead consumer, limit.  Moves up to ``limit``
-# of the consumer's pending entries to the end of the stream as new entries
-# (XACK + XDEL + XADD, the job's index entry following), where any live
-# consumer reads them; forgets the consumer once it has none left.
-# Returns {pending entries looked at, entries handed on}.
-_HAND_ON = """
-local limit = tonumber(ARGV[3])
-local pend = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', limit, ARGV[2])
-local n = 0
-for _, p in ipairs(pend) do
-  local eid = p[1]
-  local found = redis.call('XRANGE', KEYS[1], eid, eid)
-  redis.call('XACK', KEYS[1], ARGV[1], eid)
-  if #found > 0 then
-    local fields = found[1][2]
-    redis.call('XDEL', KEYS[1], eid)
-    local new = redis.call('XADD', KEYS[1], '*', unpack(fields))
-    for i = 1, #fields, 2 do
-      if fields[i] == 'id' then
-        local cur = redis.call('HGET', KEYS[2], fields[i + 1])
-        if cur and string.match(cur, '|(.*)$') == eid then
-          redis.call('HSET', KEYS[2], fields[i + 1], string.match(cur, '^(%d+)|') .. '|' .. new)
-        end
-      end
-    end
-    n = n + 1
-  end
-end
-if #pend < limit then redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) end
-return {#pend, n}
-"""
-
-# KEYS: ready, held.  ARGV: group, entry id, job id.
-_ACK = """
-for i = 2, #ARGV, 2 do
-  local entry, id = ARGV[i], ARGV[i + 1]
-  redis.pcall('XACK', KEYS[1], ARGV[1], entry)
-  redis.call('XDEL', KEYS[1], entry)
-  local cur = redis.call('HGET', KEYS[2], id)
-  if cur and string.match(cur, '|(.*)$') == entry then redis.call('HDEL', KEYS[2], id) end
-end
-return 1
-"""
-
-# KEYS: due, msg, ready, held.  ARGV: group, entry id, job id, version,
-# score_ms, body, wake channel.  Returns 1 if parked again, 0 if stale.
-_DEFER = """
-redis.pcall('XACK', KEYS[3], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[3], ARGV[2])
-local ver = tonumber(ARGV[4])
-local cur = redis.call('HGET', KEYS[4], ARGV[3])
-if cur and tonumber(string.match(cur, '^(%d+)|')) > ver then return 0 end
-local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local score = tonumber(ARGV[5])
-redis.call('ZADD', KEYS[1], score, ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[3], ARGV[6])
-redis.call('HSET', KEYS[4], ARGV[3], ver .. '|z')
-if head[2] == nil or score < tonumber(head[2]) then redis.call('PUBLISH', ARGV[7], ARGV[5]) end
-return 1
-"""
-
-# KEYS: due, msg, ready, held.  ARGV: job ids.  Returns how many entries went.
-_CANCEL = """
-local n = 0
-for _, id in ipairs(ARGV) do
-  local cur = redis.call('HGET', KEYS[4], id)
-  n = n + redis.call('ZREM', KEYS[1], id)
-  redis.call('HDEL', KEYS[2], id)
-  if cur then
-    local loc = string.match(cur, '|(.*)$')
-    if loc ~= 'z' then n = n + redis.call('XDEL', KEYS[3], loc) end
-    redis.call('HDEL', KEYS[4], id)
-  end
-end
-return n
-"""
-
-# KEYS: due, ready, held.  ARGV: (job id, version) pairs.  Returns the ids
-# whose message at that version is neither parked nor on the stream.
-_MISSING = """
-local out = {}
-for i = 1, #ARGV, 2 do
-  local id, ver = ARGV[i], ARGV[i + 1]
-  local cur = redis.call('HGET', KEYS[3], id)
-  local ok = false
-  if cur then
-    local v, loc = string.match(cur, '^(%d+)|(.*)$')
-    if v == ver then
-      if loc == 'z' then
-        ok = redis.call('ZSCORE', KEYS[1], id) ~= false
-      else
-        ok = #redis.call('XRANGE', KEYS[2], loc, loc) > 0
-      end
-    end
-  end
-  if not ok then out[#out + 1] = id end
-end
-return out
-"""
-
-
-@dataclass(frozen=True)
-class RedisSettings:
-    """What a ``redis://`` URL says.  ``client_url`` is the URL without duebox's
-    own parameters, for redis-py."""
-
-    client_url: str
-    prefix: str = "duebox"
-    horizon: float = 3600.0
-    group: str = "duebox"
-    claim_idle: float = 30.0
-
-    @classmethod
-    def from_url(cls, url: str) -> RedisSettings:
-        parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss"):
-            raise ConfigurationError(f"broker_url: must start with redis:// (got {url!r})")
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        own = {k: v for k, v in query if k in _OWN_PARAMS}
-        rest = [(k, v) for k, v in query if k not in _OWN_PARAMS]
-        unknown = sorted({k for k, _ in rest} - _client_params())
-        if unknown:  # redis-py would fail with a TypeError at the first connection
-            raise ConfigurationError(
-                f"broker_url: unknown parameter {unknown[0]!r} for redis:// (duebox's own: "
-                f"{', '.join(_OWN_PARAMS)}; the rest go to redis-py's connection)")
-        for name in ("prefix", "group"):
-            value = own.get(name, "duebox")
-            if not value or any(c in value for c in "{}: \t\n"):
-                raise ConfigurationError(
-                    f"broker_url: {name} must be a non-empty name without braces, colons "
-                    f"or spaces (got {value!r})"
-                )
-        return cls(
-            client_url=urlunsplit(parts._replace(query=urlencode(rest))),
-            prefix=own.get("prefix", "duebox"),
-            horizon=_seconds("horizon", own.get("horizon", "3600"), minimum=0.0),
-            group=own.get("group", "duebox"),
-            claim_idle=_seconds("claim_idle", own.get("claim_idle", "30"), minimum=0.1),
-        )
-
-
-@functools.cache
-def _client_params() -> frozenset[str]:
-    """The URL parameters redis-py's connection pool and connections accept."""
-    from redis.asyncio import connection as rc
-
-    names = set(getattr(rc, "URL_QUERY_ARGUMENT_PARSERS", {}))
-    for cls in (rc.AbstractConnection, rc.Connection, rc.SSLConnection,
-                rc.UnixDomainSocketConnection):
-        names |= set(inspect.signature(cls.__init__).parameters)
-    return frozenset(names - {"self", "kwargs", "args"})
-
-
-def _seconds(name: str, raw: str, minimum: float) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < minimum:
-        raise ConfigurationError(
-            f"broker_url: {name} must be a number of seconds >= {minimum:g} (got {raw!r})"
-        )
-    return value
-
-
-@dataclass(frozen=True)
-class _Keys:
-    due: str
-    msg: str
-    ready: str
-    held: str
-    wake: str
-
-    @classmethod
-    def of(cls, prefix: str, queue: str) -> _Keys:
-        tag = f"{prefix}:{{{queue}}}"
-        return cls(f"{tag}:due", f"{tag}:msg", f"{tag}:ready", f"{tag}:held", f"{tag}:wake")
-
-
-def _reraise_lost_cancel() -> None:
-    """redis-py's asyncio client can swallow a cancellation that lands while a
-    command is in flight (redis/redis-py#2028, #2551; still so in 8.1): the
-    command returns normally and the task goes on.  Loops that call Redis
-    check here so a cancelled consumer or mover really stops."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-def _text(value: bytes | str) -> str:
-    # "replace": a stream entry's fields are anyone's bytes (a forger's
-    # non-UTF-8 id must not raise out of the consumer).
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
-class RedisBroker(Broker):
+class RedisBroker(PublishingBroker):
     capabilities = Capabilities(
         name="redis",
         max_delay=3600.0,
@@ -425,19 +158,15 @@ class RedisBroker(Broker):
         except RedisError as exc:
             await client.aclose()
             raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
-        self._scripts = {
-            name: client.register_script(src)
-            for name, src in (("publish", _PUBLISH), ("move", _MOVE), ("ack", _ACK),
-                              ("defer", _DEFER), ("cancel", _CANCEL), ("missing", _MISSING),
-                              ("hand_on", _HAND_ON))
-        }
+        self._scripts = {name: client.register_script(scripts.source(name))
+                         for name in scripts.NAMES}
         self._client = client
         with contextlib.suppress(RedisError):  # CONFIG may be disabled (managed Redis)
             policy = (await client.config_get("maxmemory-policy")).get("maxmemory-policy")
-            if policy and _text(policy).startswith("allkeys"):
+            if policy and text(policy).startswith("allkeys"):
                 log.warning("%s evicts keys under memory pressure (maxmemory-policy=%s): "
                             "use noeviction; duebox keys carry no TTL", self._where(),
-                            _text(policy))
+                            text(policy))
 
     async def close(self) -> None:
         for acks in self._acks.values():  # those still lingering go out first
@@ -453,8 +182,8 @@ class RedisBroker(Broker):
         assert self._client is not None
         return self._client
 
-    def keys(self, queue: str) -> _Keys:
-        return _Keys.of(self.settings.prefix, queue)
+    def keys(self, queue: str) -> Keys:
+        return Keys.of(self.settings.prefix, queue)
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
@@ -501,7 +230,7 @@ class RedisBroker(Broker):
                         results[i] = PublishResult(batch[i].message.job_id, False, error=str(exc))
                     continue
                 for i, where in zip(chunk, placed, strict=True):
-                    where = _text(where)
+                    where = text(where)
                     results[i] = PublishResult(batch[i].message.job_id, True,
                                                None if where in ("z", "stale") else where)
         if errors and len(errors) == calls:  # nothing got through: an outage
@@ -518,7 +247,7 @@ class RedisBroker(Broker):
         try:
             queues = await client.smembers(f"{self.settings.prefix}:queues")
             total = 0
-            for q in sorted(_text(q) for q in queues):
+            for q in sorted(text(q) for q in queues):
                 k = self.keys(q)
                 total += int(await self._run("cancel", [k.due, k.msg, k.ready, k.held], ids))
         except RedisError as exc:
@@ -538,7 +267,7 @@ class RedisBroker(Broker):
                 for ref in refs:
                     args += [str(ref.id), str(ref.version)]
                 found = await self._run("missing", [k.due, k.ready, k.held], args)
-                gone += [uuid.UUID(_text(x)) for x in found]
+                gone += [uuid.UUID(text(x)) for x in found]
         except RedisError as exc:
             raise BrokerError(f"{self._where()}: reconciliation failed: {exc}") from exc
         return gone
@@ -552,25 +281,33 @@ class RedisBroker(Broker):
         except RedisError as exc:
             raise BrokerError(f"{self._where()}: {exc}") from exc
 
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        if job.due_at > now:
+            return "in the Redis index (sorted set by due time)"
+        return f"in the Redis ready stream of {job.queue}"
+
     # --- worker side ------------------------------------------------------------
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(queues) or ["default"]
         client = await self._redis()
         stop = asyncio.Event()
-        mover = asyncio.create_task(self._mover(names, stop), name="duebox-redis-mover")
+        mover = asyncio.create_task(
+            Mover(client, self.keys, self._run, self.context.clock, self._where(),
+                  self._log).run(names, stop), name="duebox-redis-mover")
         ready = False
         next_reclaim = next_prune = 0.0
         backoff = 0.1
         try:
             while True:
-                _reraise_lost_cancel()
+                reraise_lost_cancel()
                 room = prefetch - len(self._in_flight)
                 # With most of the prefetch in hand, wait for a few slots
                 # to free up: refilling one slot per read cost a round trip
                 # per message.
                 if room <= 0 or (room < prefetch // _REFILL_PART and self._in_flight):
-                    await wait_any(_IDLE_WAKE, self._freed)
+                    await wait_any(IDLE_WAKE, self._freed)
                     self._freed.clear()
                     continue
                 try:
@@ -595,13 +332,13 @@ class RedisBroker(Broker):
                     ready = False  # Redis lost the stream and its group: make them again
                     continue
                 except RedisError as exc:
-                    _reraise_lost_cancel()
+                    reraise_lost_cancel()
                     self._log.warning("read", "%s: read failed (%s); retrying in %.1fs",
                                       self._where(), exc, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
-                _reraise_lost_cancel()
+                reraise_lost_cancel()
                 for delivery in batch:
                     yield delivery
         finally:
@@ -622,10 +359,10 @@ class RedisBroker(Broker):
 
     def _delivery(self, queue: str, eid: bytes | str, fields: dict[Any, Any] | None,
                   redelivered: bool) -> Delivery:
-        entry = _text(eid)
+        entry = text(eid)
         fields = fields or {}
         self._in_flight[entry] = queue
-        job = _text(fields.get(b"id", b""))
+        job = text(fields.get(b"id", b""))
         return self.delivery(fields.get(b"body", b""), raw=entry, redelivered=redelivered,
                                   extra={"queue": queue, "entry": entry, "job": job})
 
@@ -639,7 +376,7 @@ class RedisBroker(Broker):
                                              count=count, block=block_ms)
         out = []
         for stream, entries in reply or []:
-            queue = by_stream[_text(stream)]
+            queue = by_stream[text(stream)]
             for eid, fields in entries:
                 out.append(self._delivery(queue, eid, fields, redelivered=False))
         return out
@@ -659,12 +396,12 @@ class RedisBroker(Broker):
                                             self.consumer, idle_ms,
                                             start_id=self._cursors.get(q, "0-0"),
                                             count=room - len(out))
-            self._cursors[q] = _text(reply[0])
+            self._cursors[q] = text(reply[0])
             for eid, fields in reply[1]:
                 if not fields:  # deleted meanwhile (Redis < 7 reports them so)
                     continue
                 self.reclaimed += 1
-                log.info("took over entry %s of queue %s from an idle consumer", _text(eid), q)
+                log.info("took over entry %s of queue %s from an idle consumer", text(eid), q)
                 out.append(self._delivery(q, eid, fields, redelivered=True))
         return out
 
@@ -680,7 +417,7 @@ class RedisBroker(Broker):
                 try:
                     looked, handed = await self._run(
                         "hand_on", [k.ready, k.held], [self.settings.group, worker,
-                                                       _MOVE_LIMIT])
+                                                       MOVE_LIMIT])
                 except ResponseError as exc:
                     if str(exc).startswith("NOGROUP"):
                         break  # no stream or group: nothing was pending
@@ -688,7 +425,7 @@ class RedisBroker(Broker):
                 except RedisError as exc:
                     raise BrokerError(f"{self._where()}: {exc}") from exc
                 total += int(handed)
-                if int(looked) < _MOVE_LIMIT:
+                if int(looked) < MOVE_LIMIT:
                     break
         return total
 
@@ -699,78 +436,13 @@ class RedisBroker(Broker):
         for q in names:
             stream = self.keys(q).ready
             for c in await client.xinfo_consumers(stream, self.settings.group):
-                name = _text(c["name"])
+                name = text(c["name"])
                 if name != self.consumer and not c["pending"] and c["idle"] > limit_ms:
                     await client.xgroup_delconsumer(stream, self.settings.group, name)
 
-    async def _mover(self, names: list[str], stop: asyncio.Event) -> None:
-        """Sleep until the earliest parked score, then move what is due onto the
-        streams; a publish that parks an earlier job wakes this early (pub/sub)."""
-        client = await self._redis()
-        wake = asyncio.Event()
-        listener: asyncio.Task[None] | None = None
-        pubsub: Any = None
-        backoff = 0.1
-        try:
-            while not stop.is_set():
-                _reraise_lost_cancel()
-                try:
-                    if listener is None or listener.done():
-                        if pubsub is not None:
-                            with contextlib.suppress(RedisError, OSError):
-                                await pubsub.aclose()
-                        pubsub = client.pubsub()
-                        await pubsub.subscribe(*(self.keys(q).wake for q in names))
-                        listener = asyncio.create_task(self._listen(pubsub, wake))
-                    wait = await self.move_due(names)
-                    await wait_any(wait, wake, stop)
-                    wake.clear()
-                    backoff = 0.1
-                except RedisError as exc:
-                    _reraise_lost_cancel()
-                    self._log.warning("mover", "%s: mover failed (%s); retrying in %.1fs",
-                                      self._where(), exc, backoff)
-                    await wait_any(backoff, stop)
-                    backoff = min(backoff * 2, 5.0)
-        finally:
-            if listener is not None:
-                # redis-py may swallow a cancel during a pub/sub read; closing
-                # the connection ends the read either way.
-                listener.cancel()
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
-                await asyncio.wait({listener}, timeout=1.0)
-
-    @staticmethod
-    async def _listen(pubsub: Any, wake: asyncio.Event) -> None:
-        try:
-            while True:
-                if await pubsub.get_message(ignore_subscribe_messages=True, timeout=None):
-                    wake.set()
-        except (RedisError, OSError) as exc:  # the mover subscribes again
-            log.debug("wake-up subscription ended: %s", exc)
-            wake.set()
-
-    async def move_due(self, queues: Sequence[str]) -> float:
-        """Move every due parked member onto its stream; return the seconds until
-        the next one is due (at most a second)."""
-        await self._redis()
-        wait = _IDLE_WAKE
-        for q in queues:
-            k = self.keys(q)
-            while True:
-                now_ms = self.context.clock.now().timestamp() * 1000.0
-                moved, head = await self._run("move", [k.due, k.msg, k.ready, k.held],
-                                              [math.floor(now_ms + _MOVE_LEAD_MS), _MOVE_LIMIT])
-                if int(moved) < _MOVE_LIMIT:
-                    break
-            if head is not None:
-                wait = min(wait, (float(head) - _MOVE_LEAD_MS - now_ms) / 1000.0)
-        return max(0.0, wait)
-
     # --- settling a delivery ------------------------------------------------------
 
-    def _settle(self, delivery: Delivery) -> tuple[_Keys, str, str] | None:
+    def _settle(self, delivery: Delivery) -> tuple[Keys, str, str] | None:
         entry = delivery.extra.get("entry")
         queue = delivery.extra.get("queue")
         if entry is None or queue is None:
@@ -795,7 +467,7 @@ class RedisBroker(Broker):
             # the redelivery is discarded by the version check.
             self._log.warning("ack", "%s: ack of %s failed: %s", self._where(), entry, exc)
 
-    async def _ack_many(self, k: _Keys, acks: list[tuple[str, str]]) -> list[None]:
+    async def _ack_many(self, k: Keys, acks: list[tuple[str, str]]) -> list[None]:
         """XACK + XDEL each (stream entry, job id), and drop the job's index
         entry if it still points at that entry: one script, atomic."""
         await self._run("ack", [k.ready, k.held],

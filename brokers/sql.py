@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from duebox import claims, jobstore
 from duebox.db import PgWaker, db_errors, parse_database_url
-from duebox.errors import BrokerError, ConfigurationError, DatabaseError
+from duebox.errors import ConfigurationError, DatabaseError
 from duebox.fair_claim import DispatchPolicy, FairPicker
+from duebox.holding import Hold
 from duebox.timing import SQL_HANDOVER_LEAD
 from duebox.waiting import wait_any
 
@@ -41,8 +42,7 @@ from .base import (
     Delivery,
     Durability,
     Ordering,
-    Outgoing,
-    PublishResult,
+    parse_params,
 )
 
 # Claimed jobs a worker may hold (due or not): a lookahead's worth at the rate
@@ -53,6 +53,24 @@ _HOLD_LIMIT = 1_024
 # and a claim of hundreds kept due jobs waiting for the event loop for tens
 # of milliseconds; several smaller claims interleave with the hand-offs.
 _CLAIM_MOST = 64
+
+
+@dataclass(frozen=True)
+class SQLSettings:
+    """What an ``sql://`` URL says: ``lookahead``, seconds before a due time
+    a worker claims the job (0: only due jobs)."""
+
+    lookahead: float = 0.25
+
+    @classmethod
+    def from_url(cls, url: str) -> SQLSettings:
+        return cls(lookahead=number(parse_params(url), "lookahead", 0.25, low=0.0, high=60.0))
+
+
+@dataclass(frozen=True)
+class _Claimed:
+    record: jobstore.JobRecord
+    at: datetime  # when it was leased: no later than the claim itself
 
 
 class SQLBroker(Broker):
@@ -76,7 +94,8 @@ class SQLBroker(Broker):
         self._in_flight = 0
         self._freed = asyncio.Event()
         self._seq = itertools.count()
-        self.lookahead = number(self.params, "lookahead", 0.25, low=0.0, high=60.0)
+        self.settings = SQLSettings.from_url(url)
+        self.lookahead = self.settings.lookahead
         # Workers claim rows themselves here, so the dispatch policy (the
         # relay's on other backends) shapes their claim: priority, fair
         # shares, aging, quotas and rate limits, shared through the database.
@@ -89,17 +108,15 @@ class SQLBroker(Broker):
                 "on sql:// workers claim rows from the job table themselves and are not "
                 "sharded (SKIP LOCKED partitions the rows between them): unset DUEBOX_SHARDS")
 
-    async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
-        raise BrokerError("sql:// has no publish step: workers claim rows from the job table")
-
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
-        # Claimed jobs wait in ``held`` (due, seq, record) until their due
-        # time; they count against ``prefetch`` from the claim on.  Claims run
-        # in their own task: a slow claim must not hold back a job already
-        # claimed and now due.
-        held: list[tuple[datetime, int, jobstore.JobRecord, datetime]] = []
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
+        # Claimed jobs wait in ``held`` until their due time; they count
+        # against ``wanted`` from the claim on.  Claims run in their own
+        # task: a slow claim must not hold back a job already claimed and now
+        # due.
+        held: Hold[_Claimed] = Hold()
         fresh = asyncio.Event()
-        claimer = asyncio.create_task(self._claimer(queues, prefetch, held, fresh),
+        claimer = asyncio.create_task(self._claimer(queues, prefetch, wanted, held, fresh),
                                       name="duebox-sql-claimer")
         poll = self.context.settings.poll_interval
         try:
@@ -107,17 +124,17 @@ class SQLBroker(Broker):
                 # Handed over a moment before the due time: the worker reads
                 # the job again (a cancel must win) and holds the handler to
                 # the due time itself, so the round trip is done by then.
-                now = self.context.clock.now() + SQL_HANDOVER_LEAD
-                while held and held[0][0] <= now:
-                    _, _, rec, claimed_at = heapq.heappop(held)
+                while (c := held.take(self.context.clock.now() + SQL_HANDOVER_LEAD)) is not None:
                     self._in_flight += 1
-                    yield Delivery(message=rec.to_message(), claimed=rec, claimed_at=claimed_at)
-                    now = self.context.clock.now() + SQL_HANDOVER_LEAD
+                    yield Delivery(message=c.record.to_message(), claimed=c.record,
+                                   claimed_at=c.at)
                 if claimer.done():
                     claimer.result()  # its error ends consumption (the worker retries)
                     return
                 fresh.clear()
-                wait = (held[0][0] - now).total_seconds() if held else poll
+                earliest = held.earliest()
+                now = self.context.clock.now() + SQL_HANDOVER_LEAD
+                wait = (earliest - now).total_seconds() if earliest is not None else poll
                 await wait_any(wait, fresh)
         finally:
             claimer.cancel()
@@ -125,10 +142,10 @@ class SQLBroker(Broker):
                 await claimer
             if held:  # stopping: hand them back now, not after their lease
                 with contextlib.suppress(DatabaseError):
-                    self._unclaim([h[2] for h in held])
+                    self._unclaim([c.record for c in held.drain()])
 
     async def _claimer(self, queues: Sequence[str], prefetch: int,
-                       held: list[tuple[datetime, int, jobstore.JobRecord, datetime]],
+                       wanted: Callable[[], int] | None, held: Hold[_Claimed],
                        fresh: asyncio.Event) -> None:
         ctx = self.context
         waker = PgWaker(parse_database_url(ctx.settings.database_url))
@@ -142,9 +159,8 @@ class SQLBroker(Broker):
                 # wait on the timer, not for a slot, so they count only
                 # against the hold limit: at 2,000 jobs/s a 0.25 s lookahead
                 # holds 500 of them.
-                cap = self.wanted() if self.wanted is not None else 2 * prefetch
-                now = ctx.clock.now()
-                ready = sum(1 for h in held if h[0] <= now)
+                cap = wanted() if wanted is not None else 2 * prefetch
+                ready = held.count_due(ctx.clock.now())
                 room = min(cap - self._in_flight - ready, _HOLD_LIMIT - len(held))
                 if room <= 0 or (held and room < max(1, cap // 4)):
                     await wait_any(ctx.settings.poll_interval, self._freed)
@@ -155,7 +171,7 @@ class SQLBroker(Broker):
                 limit = min(room, _CLAIM_MOST)
                 records, wake_in = await asyncio.to_thread(self._claim, owner, limit, queues)
                 for rec in records:
-                    heapq.heappush(held, (rec.due_at, next(self._seq), rec, claimed_at))
+                    held.push(rec.due_at, _Claimed(rec, claimed_at))
                 if records:
                     fresh.set()
                 if len(records) == limit:

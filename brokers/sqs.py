@@ -29,12 +29,10 @@ dedupe store drop what already ran.  A message received before its due time
 (clock skew) is hidden again for the remainder with ``ChangeMessageVisibility``.
 ``ack`` is a batched ``DeleteMessage``.
 
-SQS cannot be asked whether it still holds a message, but it can say when a
-queue was created: a queue that was deleted and created again (a LocalStack
-restart, an operator's mistake) lost every message sent before that moment.
-:meth:`SQSBroker.data_lost` notices a queue that vanished or changed its
-``CreatedTimestamp``; :meth:`SQSBroker.missing` then names the ``ENQUEUED``
-jobs published before the queue's creation, and the relay publishes them again.
+A queue deleted and created again (a LocalStack restart, an operator's
+mistake) is noticed and the relay publishes its jobs again; the connection,
+the queues and that check are brokers/sqs_queues.py, what a message becomes
+in a ``SendMessageBatch`` is brokers/sqs_messages.py.
 
 URL: ``sqs://[KEY:SECRET@][HOST[:PORT]]?region=&endpoint=&prefix=duebox-&fifo=false
 &wait=10&visibility_timeout=3&threads=8&max_message_size=262144&create=true
@@ -47,29 +45,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
-import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 from duebox.errors import (
     BrokerError,
-    ConfigurationError,
     MissingDependencyError,
     ValidationError,
 )
 from duebox.logs import CollapsedLog
-from duebox.message import JobMessage
 
-from ._common import safe_token
 from .base import (
-    Broker,
     BrokerContext,
     Capabilities,
     Delivery,
@@ -77,15 +69,14 @@ from .base import (
     Ordering,
     Outgoing,
     PublishResult,
-    parse_params,
     refused,
 )
+from .sqs_messages import BATCH, Entry, chunks, make_entry
+from .sqs_queues import SQSQueues, backoff, not_found, retryable
 from .sqs_settings import MAX_DELAY_SECONDS, MAX_VISIBILITY, SQSSettings
 
 try:
-    import boto3
-    import botocore.config
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
     raise MissingDependencyError("boto3", "sqs") from exc
 
@@ -94,26 +85,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duebox.brokers.sqs")
 
-T = TypeVar("T")
 
-BATCH = 10
 _SEND_ATTEMPTS = 6
-_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")
-_THROTTLED = ("ThrottlingException", "RequestThrottled", "Throttling", "ServiceUnavailable",
-              "InternalError", "InternalFailure", "KMS.ThrottlingException",
-              "AWS.SimpleQueueService.RequestThrottled", "RequestThrottledException")
 _DEAD_LETTER = "dead-letter"
-
-
-@dataclass
-class _Entry:
-    """One message on its way into a ``SendMessageBatch`` call."""
-
-    index: int
-    request: dict[str, Any]
-    size: int
-    visible_at: float | None  # epoch seconds; None: at once
-    send_at: float  # epoch seconds
 
 
 @dataclass
@@ -130,50 +104,7 @@ class _Pending:
     scheduled: bool = False
 
 
-def _code(exc: ClientError) -> str:
-    error = exc.response.get("Error", {})
-    return str(error.get("Code") or error.get("QueryErrorCode") or "")
-
-
-def _not_found(exc: BaseException) -> bool:
-    if not isinstance(exc, ClientError):
-        return False
-    error = exc.response.get("Error", {})
-    return _code(exc) in _NOT_FOUND or error.get("QueryErrorCode") == "QueueDoesNotExist"
-
-
-def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, NoCredentialsError):
-        return False
-    if isinstance(exc, BotoCoreError):
-        return True  # connection refused, timeouts, ...
-    if isinstance(exc, ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return _code(exc) in _THROTTLED or int(status or 0) >= 500
-    return False
-
-
-def _backoff(attempt: int) -> float:
-    return min(2.0, 0.05 * 2.0 ** attempt) * (0.5 + random.random() / 2)
-
-
-def attributes(msg: JobMessage) -> dict[str, dict[str, str]]:
-    """The envelope's header fields as SQS message attributes."""
-    return {name: {"DataType": "String", "StringValue": value}
-            for name, value in msg.header_map().items()}
-
-
-def message_size(body: str, attrs: dict[str, dict[str, str]]) -> int:
-    """What SQS counts against its size limit: the body plus every
-    attribute's name, type and value, in UTF-8 bytes."""
-    size = len(body.encode())
-    for name, attr in attrs.items():
-        size += len(name.encode()) + len(attr["DataType"].encode())
-        size += len(attr["StringValue"].encode())
-    return size
-
-
-class SQSBroker(Broker):
+class SQSBroker(SQSQueues):
     capabilities = Capabilities(
         name="sqs",
         max_delay=float(MAX_DELAY_SECONDS),
@@ -193,8 +124,7 @@ class SQSBroker(Broker):
     )
 
     def __init__(self, url: str, context: BrokerContext) -> None:
-        params = parse_params(url)
-        self.settings = s = SQSSettings.from_url(url, params)
+        self.settings = s = SQSSettings.from_url(url)
         caps = replace(type(self).capabilities, payload_limit=s.max_message_size)
         if s.fifo:
             caps = replace(
@@ -209,19 +139,9 @@ class SQSBroker(Broker):
         self.capabilities = caps
         super().__init__(url, context)
         self.consumer = context.worker_name
-        self._client: Any = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._poll_pool: ThreadPoolExecutor | None = None
-        self._urls: dict[str, str] = {}
-        self._created: dict[str, int] = {}  # queue -> CreatedTimestamp seen
-        self._resolving: dict[str, asyncio.Lock] = {}
         self._in_flight: dict[str, _InFlight] = {}  # receipt handle -> where and until when
         self._freed = asyncio.Event()
         self._deletes: dict[str, _Pending] = {}
-        self._lost = False
-        self._first_check = True
-        self._last_check = time.monotonic()
-        self._closing = False
         # Pollers and the visibility heartbeat, cancelled by close() even when
         # the consume() generator was abandoned without being closed.
         self._tasks: set[asyncio.Task[None]] = set()
@@ -232,40 +152,9 @@ class SQSBroker(Broker):
     def check_queue_name(cls, url: str, name: str) -> None:
         """SQS names: letters, digits, '-' and '_', at most 80 with the prefix
         (and ``.fifo``)."""
-        SQSSettings.from_url(url, parse_params(url)).queue_name(name)
+        SQSSettings.from_url(url).queue_name(name)
 
     # --- connection -------------------------------------------------------------
-
-    def _where(self) -> str:
-        where = self.settings.endpoint or f"AWS ({self.settings.region or 'default region'})"
-        return f"SQS at {where}"
-
-    async def open(self) -> None:
-        """Build the client (no network call: an outage is retried by the loops)."""
-        if self._client is not None:
-            return
-        s = self.settings
-        self._closing = False
-        self._pool = ThreadPoolExecutor(s.threads, thread_name_prefix="duebox-sqs")
-        config = botocore.config.Config(
-            max_pool_connections=s.threads + 16,
-            retries={"mode": "standard", "total_max_attempts": 2},
-            connect_timeout=5, read_timeout=s.wait + 15,
-            user_agent_extra="duebox",
-        )
-        try:
-            session = boto3.session.Session(
-                aws_access_key_id=s.access_key, aws_secret_access_key=s.secret_key,
-                region_name=s.region)
-            self._client = await asyncio.get_running_loop().run_in_executor(
-                self._pool, functools.partial(session.client, "sqs", endpoint_url=s.endpoint,
-                                              config=config))
-        except NoRegionError:
-            raise ConfigurationError(
-                "broker_url: no AWS region: add ?region=... to the sqs:// URL or set "
-                "AWS_REGION") from None
-        except (BotoCoreError, ValueError) as exc:
-            raise ConfigurationError(f"broker_url: {exc}") from exc
 
     async def close(self) -> None:
         self._closing = True
@@ -274,162 +163,19 @@ class SQSBroker(Broker):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for url in list(self._deletes):
             await self._flush_deletes(url)
-        pools = (self._pool, self._poll_pool)
-        self._pool = self._poll_pool = None
-        self._client = None
-        for pool in pools:
-            if pool is not None:
-                # A long poll still running finishes on its own and hands back
-                # what it received (see _receive); nobody waits for it.
-                pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _call(self, fn: Callable[..., T], *args: Any, pool: ThreadPoolExecutor | None = None,
-                    **kw: Any) -> T:
-        if self._client is None:
-            await self.open()
-        executor = pool or self._pool
-        if executor is None:
-            raise BrokerError(f"{self._where()}: the broker was closed")
-        return await asyncio.get_running_loop().run_in_executor(
-            executor, functools.partial(fn, *args, **kw))
-
-    def _api(self, name: str) -> Callable[..., Any]:
-        fn: Callable[..., Any] = getattr(self._client, name)
-        return fn
-
-    def _error(self, what: str, exc: BaseException) -> BrokerError:
-        if isinstance(exc, NoCredentialsError):
-            return BrokerError(f"{self._where()}: no AWS credentials: put KEY:SECRET@ in the "
-                               f"sqs:// URL or configure boto3 (AWS_ACCESS_KEY_ID, ...)")
-        return BrokerError(f"{self._where()}: {what} failed: {exc}")
-
-    # --- queues -----------------------------------------------------------------
-
-    async def queue_url(self, queue: str, *, fifo: bool | None = None) -> str:
-        """The queue's URL, creating the queue if it does not exist (``create``)."""
-        fifo = self.settings.fifo if fifo is None else fifo
-        key = queue if fifo == self.settings.fifo else f"{queue}\0{fifo}"
-        url = self._urls.get(key)
-        if url is not None:
-            return url
-        lock = self._resolving.setdefault(key, asyncio.Lock())
-        async with lock:
-            url = self._urls.get(key)
-            if url is not None:
-                return url
-            name = self.settings.queue_name(queue, fifo)
-            try:
-                await self.open()
-                try:
-                    reply = await self._call(self._api("get_queue_url"), QueueName=name)
-                except ClientError as exc:
-                    if not _not_found(exc) or not self.settings.create:
-                        raise
-                    reply = await self._call(self._api("create_queue"), QueueName=name,
-                                             Attributes=self._queue_attributes(fifo))
-                    log.info("created SQS queue %s", name)
-            except (ClientError, BotoCoreError) as exc:
-                raise self._error(f"finding queue {name!r}", exc) from exc
-            url = str(reply["QueueUrl"])
-            self._urls[key] = url
-            if key == queue:
-                await self._baseline(queue, url)
-            return url
-
-    async def _baseline(self, queue: str, url: str) -> None:
-        """Remember the queue's ``CreatedTimestamp`` as first resolved here, so
-        a later recreation (by anyone) shows as a change."""
-        try:
-            reply = await self._call(self._api("get_queue_attributes"), QueueUrl=url,
-                                     AttributeNames=["CreatedTimestamp"])
-        except (ClientError, BotoCoreError) as exc:
-            log.debug("%s: no CreatedTimestamp for %r: %s", self._where(), queue, exc)
-            return
-        created = int(float(reply.get("Attributes", {}).get("CreatedTimestamp", 0)))
-        seen = self._created.get(queue)
-        if seen is not None and seen != created:
-            self._lost = True
-        self._created[queue] = created
-
-    def _queue_attributes(self, fifo: bool) -> dict[str, str]:
-        attrs = {"MessageRetentionPeriod": "1209600",
-                 "VisibilityTimeout": str(self.settings.visibility_timeout),
-                 "MaximumMessageSize": str(self.settings.max_message_size)}
-        if fifo:
-            attrs.update(FifoQueue="true", ContentBasedDeduplication="false")
-        return attrs
-
-    def _forget(self, queue: str) -> None:
-        """The queue vanished (deleted, or the emulator restarted empty)."""
-        if self._urls.pop(queue, None) is not None:
-            log.warning("%s: queue %r does not exist any more; it is created again and the "
-                        "relay republishes what it held", self._where(), queue)
-        self._lost = True
+        await super().close()  # the thread pools and the client
 
     # --- relay side ---------------------------------------------------------------
-
-    def _entry(self, i: int, out: Outgoing, now: float) -> _Entry | str:
-        """The request for one message, or the reason it cannot be sent
-        (:class:`ValidationError`: one SQS refuses every time)."""
-        msg = out.message
-        if self.settings.fifo and out.delay > 0:
-            return ("sqs:// FIFO queues cannot delay a message (max_delay is 0): the relay "
-                    "publishes FIFO jobs at their due time")
-        self.settings.queue_name(msg.queue)
-        body = msg.encode().decode()
-        attrs = attributes(msg)
-        size = message_size(body, attrs)
-        if size > self.settings.max_message_size:
-            raise ValidationError(
-                "payload", f"the message is {size} bytes with its attributes; SQS takes at "
-                f"most {self.settings.max_message_size} (max_message_size); keep large "
-                f"data elsewhere and pass a reference")
-        request: dict[str, Any] = {"Id": str(i), "MessageBody": body,
-                                   "MessageAttributes": attrs}
-        if self.settings.fifo:
-            request["MessageGroupId"] = safe_token(msg.ordering_key())
-            request["MessageDeduplicationId"] = f"{msg.job_id}.{msg.version}"
-        visible_at = None
-        if out.delay > 0:
-            # Never before the due time, nor before the delay the relay gave.
-            visible_at = min(msg.due_at.timestamp(), now + min(out.delay, MAX_DELAY_SECONDS))
-        return _Entry(i, request, size, visible_at, self._send_at(visible_at, now))
-
-    def _send_at(self, visible_at: float | None, now: float) -> float:
-        """When to send so that whole-second ``DelaySeconds`` ends just after
-        ``visible_at``: at ``visible_at - floor(visible_at - now)``, rounded up
-        to the next ``align`` step (a batch goes out per step)."""
-        step = self.settings.align
-        if visible_at is None or step <= 0:
-            return now
-        wait = (visible_at - now) % 1.0
-        if wait <= 0:
-            return now
-        return now + min(1.0, math.ceil(wait / step) * step)
-
-    def _chunks(self, entries: list[_Entry]) -> list[list[_Entry]]:
-        """At most 10 entries and ``max_message_size`` bytes per call, of
-        entries that go out at the same moment."""
-        chunks: list[list[_Entry]] = []
-        size = 0
-        for e in sorted(entries, key=lambda e: e.send_at):
-            if not chunks or len(chunks[-1]) >= BATCH or e.send_at != chunks[-1][0].send_at \
-                    or size + e.size > self.settings.max_message_size:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(e)
-            size += e.size
-        return chunks
 
     async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
         if not batch:
             return []
         now = self.context.clock.now().timestamp()
         results: list[PublishResult | None] = [None] * len(batch)
-        by_queue: dict[str, list[_Entry]] = {}
+        by_queue: dict[str, list[Entry]] = {}
         for i, out in enumerate(batch):
             try:
-                entry = self._entry(i, out, now)
+                entry = make_entry(self.settings, i, out, now)
             except ValidationError as exc:
                 results[i] = refused(out.message.job_id, exc)
                 continue
@@ -440,7 +186,7 @@ class SQSBroker(Broker):
         failures: list[BaseException] = []
         calls = []
         for queue, entries in by_queue.items():
-            for chunk in self._chunks(entries):
+            for chunk in chunks(self.settings, entries):
                 calls.append(self._send(queue, chunk))
         outcomes = await asyncio.gather(*calls)
         for outcome, failure in outcomes:
@@ -456,7 +202,7 @@ class SQSBroker(Broker):
             raise self._error("SendMessageBatch", failures[0]) from failures[0]
         return [r for r in results if r is not None]
 
-    async def _send(self, queue: str, chunk: list[_Entry]
+    async def _send(self, queue: str, chunk: list[Entry]
                     ) -> tuple[dict[int, tuple[bool, str]], BaseException | None]:
         """One ``SendMessageBatch`` and its retries: only failed entries again;
         throttling, server and connection errors back off.  Returns
@@ -471,13 +217,13 @@ class SQSBroker(Broker):
         last: BaseException | None = None
         for attempt in range(_SEND_ATTEMPTS):
             if attempt:
-                await asyncio.sleep(_backoff(attempt))
+                await asyncio.sleep(backoff(attempt))
             try:
                 url = await self.queue_url(queue)
             except BrokerError as exc:
                 last = exc
                 if isinstance(exc.__cause__, (ClientError, BotoCoreError)) and \
-                        _retryable(exc.__cause__):
+                        retryable(exc.__cause__):
                     continue
                 break
             # DelaySeconds counts from when SQS takes the message, a little
@@ -494,10 +240,10 @@ class SQSBroker(Broker):
                                          Entries=requests)
             except (ClientError, BotoCoreError) as exc:
                 last = exc
-                if _not_found(exc):
+                if not_found(exc):
                     self._forget(queue)
                     continue
-                if _retryable(exc):
+                if retryable(exc):
                     log.info("%s: SendMessageBatch failed (%s); retrying", self._where(), exc)
                     continue
                 break
@@ -529,64 +275,13 @@ class SQSBroker(Broker):
         every = last is not None and len(pending) == len(chunk)
         return done, (last if every else None)
 
-    async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
-        """Jobs published before their queue was (re)created: SQS lost them."""
-        by_queue: dict[str, list[EnqueuedRef]] = {}
-        for ref in jobs:
-            by_queue.setdefault(ref.queue, []).append(ref)
-        # CreatedTimestamp is whole seconds, rounded down: a message sent to
-        # this incarnation was sent at or after it.  The clock-skew margin
-        # keeps a relay whose clock lags SQS's from republishing live ones; a
-        # message sent to the old queue within that margin of its recreation
-        # is left to ``redeliver_after``.
-        margin = self.context.settings.clock_skew_margin
-        gone: list[uuid.UUID] = []
-        for queue, refs in by_queue.items():
-            created = await self._created_at(queue)
-            for ref in refs:
-                published = ref.published_at
-                if published is None or published.timestamp() < created - margin:
-                    gone.append(ref.id)
-        return gone
-
-    async def _created_at(self, queue: str) -> float:
-        """The queue's ``CreatedTimestamp`` (creating the queue if it is gone)."""
-        for _ in range(2):
-            url = await self.queue_url(queue)
-            try:
-                reply = await self._call(self._api("get_queue_attributes"), QueueUrl=url,
-                                         AttributeNames=["CreatedTimestamp"])
-            except (ClientError, BotoCoreError) as exc:
-                if _not_found(exc):
-                    self._forget(queue)
-                    continue
-                raise self._error("GetQueueAttributes", exc) from exc
-            created = int(float(reply.get("Attributes", {}).get("CreatedTimestamp", 0)))
-            seen = self._created.setdefault(queue, created)
-            if seen != created:
-                self._created[queue] = created
-                self._lost = True
-            return float(created)
-        raise BrokerError(f"{self._where()}: queue {queue!r} keeps disappearing")
-
-    async def data_lost(self) -> bool:
-        """True once on first use (so a relay that starts after an outage
-        checks), then whenever a known queue vanished or was recreated; the
-        queues are looked at every ``check_interval`` seconds."""
-        if self._first_check:
-            self._first_check = False
-            return True
-        if time.monotonic() - self._last_check >= self.settings.check_interval:
-            self._last_check = time.monotonic()
-            for queue in list(self._urls):
-                with contextlib.suppress(BrokerError):  # an outage: look next time
-                    await self._created_at(queue)
-        lost, self._lost = self._lost, False
-        return lost
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        return "in SQS delay (DelaySeconds)" if job.due_at > now else "visible in the SQS queue"
 
     # --- worker side --------------------------------------------------------------
 
-    async def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         names = list(dict.fromkeys(queues)) or ["default"]
         for name in names:
             self.settings.queue_name(name)  # a name SQS cannot take fails now
@@ -636,7 +331,7 @@ class SQSBroker(Broker):
                     url = await self.queue_url(queue)
                     messages = await self._call(self._receive, url, n, pool=self._poll_pool)
                 except (ClientError, BotoCoreError) as exc:
-                    if _not_found(exc):
+                    if not_found(exc):
                         self._forget(queue)
                         continue
                     raise self._error("ReceiveMessage", exc) from exc

@@ -12,6 +12,7 @@ from urllib.parse import unquote, urlsplit
 from duebox.errors import ConfigurationError, ValidationError
 
 from ._common import flag, name_param, number, refuse_unknown
+from .base import parse_params
 
 MAX_DELAY_SECONDS = 900  # SQS's DelaySeconds ceiling
 MAX_VISIBILITY = 43200  # 12 hours, SQS's cap on a received message's invisibility
@@ -42,7 +43,8 @@ class SQSSettings:
     align: float = 0.02
 
     @classmethod
-    def from_url(cls, url: str, params: dict[str, str]) -> SQSSettings:
+    def from_url(cls, url: str) -> SQSSettings:
+        params = parse_params(url)
         parts = urlsplit(url)
         if parts.scheme != "sqs":
             raise ConfigurationError(f"broker_url: must start with sqs:// (got {url!r})")

@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from duebox import Duebox
-from duebox.inspect import JobDetail, JobView, find_job, load_job, where_now
+from duebox.inspect import JobDetail, JobView, find_job, load_job, locator, where_now
 from duebox.masking import Masked, masked
 from duebox.values import shown
 
@@ -62,7 +62,7 @@ def render_job(app: Duebox, detail: JobDetail, now: datetime,
         lines.append(f"  key {shown(row.key)}")
     if row.tenant:
         lines.append(f"  tenant {shown(row.tenant)}  priority {row.priority}")
-    lines.append(f"  now: {shown(where_now(row, app.settings.broker_url, now))}")
+    lines.append(f"  now: {shown(where_now(row, locator(app), now))}")
     if with_payload:
         payload = (f"({m.note})" if m.hidden
                    else json.dumps(m.payload, sort_keys=True)[:2000])

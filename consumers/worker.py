@@ -132,7 +132,6 @@ class Worker:
         self._in_hand = 0
         self._turns = Turns()  # handlers of one ordering key start in arrival order
         self._room = asyncio.Event()
-        self.broker.wanted = self.wanted
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics or process_metrics()
         self.backend = self.broker.capabilities.name
@@ -220,7 +219,8 @@ class Worker:
         backoff = 0.1
         while True:
             try:
-                async for delivery in self.broker.consume(self.queues, self.prefetch):
+                async for delivery in self.broker.consume(self.queues, self.prefetch,
+                                                            wanted=self.wanted):
                     while self._in_hand >= self.wanted():
                         self._room.clear()
                         await self._room.wait()

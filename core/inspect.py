@@ -11,16 +11,17 @@ The health report (``duebox status``, the dashboard's overview) is in
 from __future__ import annotations
 
 import uuid
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from sqlalchemy import Connection, Engine, select
 
 from .db import db_errors
-from .errors import AmbiguousJobError, JobNotFoundError, ValidationError
+from .errors import AmbiguousJobError, DueboxError, JobNotFoundError, ValidationError
+from .recovery import EnqueuedRef
 from .states import JobState
 from .tables import attempt, audit, job
 
@@ -312,9 +313,34 @@ def _fmt(ts: datetime | None) -> str:
     return ts.isoformat(timespec="milliseconds") if ts else "-"
 
 
-def where_now(row: JobView, broker_url: str, now: datetime) -> str:
+# Where a backend says an ENQUEUED job's message is (Broker.locate).
+Locate = Callable[[EnqueuedRef, datetime], str]
+
+
+class _WithBroker(Protocol):
+    """What :func:`locator` needs of a :class:`~duebox.Duebox` (the read side
+    sits below the app)."""
+
+    settings: Any
+
+    def broker(self, worker_name: str = ...) -> Any: ...
+
+
+def locator(app: _WithBroker) -> Locate:
+    """The app's broker's :meth:`~duebox.brokers.base.Broker.locate` (building
+    a broker object connects to nothing), or plain words where that broker
+    cannot be built here (its client library is not installed)."""
+    try:
+        locate: Locate = app.broker("inspect").locate
+    except (DueboxError, ImportError):
+        scheme = urlsplit(app.settings.broker_url).scheme or "configured"
+        return lambda job, now: f"in the {scheme} broker"
+    return locate
+
+
+def where_now(row: JobView, locate: Locate, now: datetime) -> str:
     """Where the job is now, in words: the database's part from its state,
-    the broker's part from :func:`locate`."""
+    the broker's part from the backend (``locate``)."""
     state = row.state
     if state == JobState.SCHEDULED:
         wait = (row.due_at - now).total_seconds()
@@ -324,53 +350,12 @@ def where_now(row: JobView, broker_url: str, now: datetime) -> str:
     if state == JobState.DISPATCHING:
         return f"claimed by relay {row.lease_owner}, lease until {_fmt(row.lease_until)}"
     if state == JobState.ENQUEUED:
+        wait = (row.due_at - now).total_seconds()
+        due = f"due in {wait:.1f} s" if wait > 0 else "due, waiting for a worker"
+        where = locate(EnqueuedRef(row.id, row.version, row.queue, row.due_at,
+                                   row.published_at), now)
         mid = f" as message {row.broker_message_id}" if row.broker_message_id else ""
-        return f"{locate(broker_url, row, now)}{mid}, handed over {_fmt(row.published_at)}"
+        return f"{where}, {due}{mid}, handed over {_fmt(row.published_at)}"
     if state == JobState.RUNNING:
         return f"running on {row.lease_owner}, lease until {_fmt(row.lease_until)}"
     return f"finished: {state}"
-
-
-def _amqp_tier(row: JobView, now: datetime) -> str | None:
-    """The tier queue (level.digit) the message sits in: its stops run from
-    the most significant digit down (duebox.brokers.amqp_topology)."""
-    if row.published_at is None:
-        return None
-    # The one upward import left on this floor; it goes with locate() (see there).
-    from duebox.brokers.amqp_topology import LEVELS, RADIX, delay_ms, tier_digits
-
-    ms = delay_ms((row.due_at - row.published_at).total_seconds())
-    elapsed = (now - row.published_at).total_seconds() * 1000
-    stops = [(LEVELS - 1 - i, d) for i, d in enumerate(tier_digits(ms)) if d]
-    passed = 0.0
-    for n, (level, digit) in enumerate(stops, 1):
-        passed += digit * RADIX**level
-        if elapsed < passed:
-            return f"tier {level}.{digit:x} (stop {n} of {len(stops)})"
-    return "its last tier"
-
-
-def locate(broker_url: str, row: JobView, now: datetime) -> str:
-    """Where an ENQUEUED job's message is, from the backend's delay mechanism
-    and the delay it was published with.
-
-    The only place that switches on broker schemes for reading; it becomes
-    ``broker.locate(row, now)`` (each backend its own words, a generic
-    default) when the broker seam has that method."""
-    scheme = urlsplit(broker_url).scheme.lower().split("+")[0]
-    wait = (row.due_at - now).total_seconds()
-    due = f"due in {wait:.1f} s" if wait > 0 else "due, waiting for a worker"
-    if scheme == "sqs":
-        where = "in SQS delay (DelaySeconds)" if wait > 0 else "visible in the SQS queue"
-    elif scheme in ("amqp", "amqps"):
-        tier = _amqp_tier(row, now) if wait > 0 else None
-        where = (f"in RabbitMQ delay {tier} (tier topology; with the delayed-message plugin, "
-                 "in its exchange)" if tier else f"in the RabbitMQ queue {row.queue}")
-    elif scheme in ("redis", "rediss"):
-        where = ("in the Redis index (sorted set by due time)" if wait > 0
-                 else f"in the Redis ready stream of {row.queue}")
-    elif scheme == "kafka":
-        where = f"in the Kafka topic of {row.queue}"
-    else:
-        where = f"in the {scheme} broker"
-    return f"{where}, {due}"

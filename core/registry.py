@@ -24,7 +24,10 @@ BROKERS: dict[str, str] = {
 
 
 def broker_class(url: str) -> Any:
-    scheme = urlsplit(url).scheme.lower() if isinstance(url, str) else ""
+    try:
+        scheme = urlsplit(url).scheme.lower() if isinstance(url, str) else ""
+    except ValueError as exc:  # an unbalanced IPv6 bracket, ...
+        raise ConfigurationError(f"broker_url: not a URL ({exc}): {url[:200]!r}") from None
     if not scheme:
         raise ConfigurationError(
             f"broker_url: must start with a scheme, one of {', '.join(sorted(BROKERS))}:// "

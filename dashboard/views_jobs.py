@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from duebox.ids import parse_job_id
-from duebox.inspect import AttemptView, AuditView, JobView, load_job, where_now
+from duebox.inspect import AttemptView, AuditView, JobView, load_job, locator, where_now
 from duebox.masking import Masked
 from duebox.states import JobState
 
@@ -108,7 +108,7 @@ def job(d: Dashboard, request: Request, job_id: str) -> Response:
     error = (f'<h2>Last error</h2><p><b>{esc(row.error_class)}</b></p>'
              f"<pre>{_error_text(m, row.last_error)}</pre>" if row.last_error else "")
     live = (f"{facts}<p class=where><b>Where it is now:</b> "
-            f"{esc(where_now(row, d.app.settings.broker_url, now))}</p>"
+            f"{esc(where_now(row, locator(d.app), now))}</p>"
             f"<h2>Timeline</h2>{events}<h2>Attempts</h2>{_attempts(detail.attempts, m)}{error}"
             f"<h2>Versions</h2>{_versions(row, detail.audits)}<h2>Audit</h2>{audit_rows}")
     if request.partial:

@@ -20,37 +20,34 @@ critical path; memory:// is exact; sqs:// delays are whole seconds
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from duebox.holding import Hold
 from duebox.records import JobRecord
 
 # At most this many held jobs (per relay): beyond it, the broker's delay.
 _HOLD_LIMIT = 20_000
 
 
-@dataclass(order=True)
+@dataclass(frozen=True)
 class _Held:
-    release_at: datetime
-    seq: int
-    record: JobRecord = field(compare=False)
-    owner: str = field(compare=False)
+    record: JobRecord
+    owner: str
 
 
 class HeldJobs:
-    """A heap of held jobs by release time; ``changed`` is set when a job
+    """Held jobs by release time (the near-due :class:`~duebox.holding.Hold`
+    sql:// workers use too); ``changed`` is set when a job
     is held earlier than every other (the timer sleeps until the earliest)."""
 
     def __init__(self, *, lead: float, max_delay: float | None, precision: float) -> None:
         self.lead = lead
         self.max_delay = max_delay
         self.precision = precision
-        self._heap: list[_Held] = []
-        self._seq = itertools.count()
+        self._heap: Hold[_Held] = Hold()
         self.changed = asyncio.Event()
 
     def __len__(self) -> int:
@@ -60,7 +57,7 @@ class HeldJobs:
         return [h.record.id for h in self._heap]
 
     def next_release(self) -> datetime | None:
-        return self._heap[0].release_at if self._heap else None
+        return self._heap.earliest()
 
     def release_time(self, rec: JobRecord, now: datetime, near: float) -> datetime:
         """When to publish ``rec``: near-due jobs (due within ``near``
@@ -84,17 +81,15 @@ class HeldJobs:
         return ticks * self.precision
 
     def hold(self, rec: JobRecord, owner: str, release_at: datetime) -> None:
-        if not self._heap or release_at < self._heap[0].release_at:
+        if self._heap.push(release_at, _Held(rec, owner)):
             self.changed.set()
-        heapq.heappush(self._heap, _Held(release_at, next(self._seq), rec, owner))
 
     def take_due(self, now: datetime) -> list[tuple[str, list[JobRecord]]]:
         """Remove the jobs whose release time has come: in runs of one claim
         (owner), in release order (grouping a claim's jobs together would
         send a later claim's earlier jobs after them)."""
         runs: list[tuple[str, list[JobRecord]]] = []
-        while self._heap and self._heap[0].release_at <= now:
-            item = heapq.heappop(self._heap)
+        for item in self._heap.take_all(now):
             if runs and runs[-1][0] == item.owner:
                 runs[-1][1].append(item.record)
             else:
@@ -104,9 +99,8 @@ class HeldJobs:
     def take_all(self) -> dict[str, list[uuid.UUID]]:
         """Remove every held job (shutdown): their ids by claim owner."""
         by_owner: dict[str, list[uuid.UUID]] = {}
-        for item in self._heap:
+        for item in self._heap.drain():
             by_owner.setdefault(item.owner, []).append(item.record.id)
-        self._heap.clear()
         return by_owner
 
 

@@ -40,7 +40,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from duebox import claims, dispatched, jobstore, tracing
-from duebox.brokers.base import Broker, Outgoing, open_broker
+from duebox.brokers.base import Broker, Outgoing, PublishingBroker, open_broker
 from duebox.config import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.dispatch_policy import DispatchPolicy
@@ -96,6 +96,9 @@ class Relay:
         self.name = name or process_token("relay")
         self.broker = broker or app.broker(self.name)
         self.batch_size = batch_size or app.settings.batch_size
+        # Absent where workers claim rows from the job table (sql://): then
+        # the relay publishes nothing; it recovers, takes over and generates.
+        self.publisher = self.broker if isinstance(self.broker, PublishingBroker) else None
         caps = self.broker.capabilities
         max_delay = self.broker.max_delay
         # How far ahead of the broker's ceiling to claim and hold in memory.
@@ -121,7 +124,7 @@ class Relay:
         self.catchup = CatchUp(app, self.batch_size)
         # Operating at scale (docs/scale.md): fair, rate-limited claims and
         # fenced shard ownership; both off unless configured.
-        if shards is not None and caps.direct_claim:
+        if shards is not None and self.publisher is None:
             raise ConfigurationError(
                 f"shards: sharding fences a relay's claim for a broker; on {caps.name}:// "
                 "workers claim rows from the job table themselves and are not sharded "
@@ -131,7 +134,7 @@ class Relay:
                                lease_seconds=app.settings.lease_seconds, catchup=self.catchup,
                                scale=self.scale)
         self.reconciler = Reconciler(app, self.broker, self.batch_size, reconcile_interval,
-                                     active=not caps.direct_claim)
+                                     active=self.publisher is not None)
         # Observability (docs/observability.md): event metrics, the periodic
         # database snapshot and this relay's registry row.
         self.backend = caps.name
@@ -174,7 +177,7 @@ class Relay:
                                         ("dispatching", "running", "dead", "enqueued")})
             stats.expired += await asyncio.to_thread(self.catchup.sweep)
         stats.occurrences = await self.schedules.run()
-        if not self.broker.capabilities.direct_claim:
+        if self.publisher is not None:
             stats.reconciled = await self.reconciler.step()
             if self.scale.shards is not None:
                 await asyncio.to_thread(self.scale.step_shards, self._held.ids())
@@ -411,14 +414,14 @@ class Relay:
             stats.fenced += fenced
             if fenced:
                 self.metrics.fenced.labels(self.backend).inc(fenced)
-        if not records:
+        if not records or self.publisher is None:  # nothing is claimed without one
             return []
         now = self.app.clock.now()
         batch = [Outgoing(r.to_message(), self._held.delay(r, now)) for r in records]
         started = time.monotonic()
         try:
             with tracing.publish_span([r.headers for r in records], self.backend):
-                results = await self.broker.publish(batch)
+                results = await self.publisher.publish(batch)
         except Exception as exc:  # an outage, or any client's own exception
             self.scale.backpressure.observe(len(batch), time.monotonic() - started, error=True)
             self._log.warning(f"publish:{kind_of(exc)}", "publish of %d jobs failed: %s: %s",
@@ -455,7 +458,7 @@ class Relay:
         if self.catchup.throttled:
             waits.append(self.catchup.bucket.seconds_until(self.catchup.chunk, now))
         rate_wait = self.scale.wait()
-        if not self.broker.capabilities.direct_claim and self.max_delay is not None:
+        if self.publisher is not None and self.max_delay is not None:
             with db_errors("next due"), self.app.engine.connect() as conn:
                 due = claims.next_due(conn)
             reach = self.horizon.reach()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,7 +17,13 @@ from sqlalchemy.orm import Session
 
 import duebox
 from duebox import FakeClock, JobMessage, JobState, Settings
-from duebox.brokers.base import Broker, BrokerContext, Delivery, Outgoing, PublishResult
+from duebox.brokers.base import (
+    BrokerContext,
+    Delivery,
+    Outgoing,
+    PublishingBroker,
+    PublishResult,
+)
 from duebox.brokers.memory import MemoryBroker
 from duebox.relay import Relay
 from duebox.tables import job, schedule
@@ -26,7 +32,7 @@ T0 = datetime(2030, 1, 1, tzinfo=UTC)
 RATE = 40.0
 
 
-class RecordingBroker(Broker):
+class RecordingBroker(PublishingBroker):
     """Accepts every message and records (clock time, delay, message)."""
 
     capabilities = replace(MemoryBroker.capabilities, name="recording")
@@ -41,7 +47,8 @@ class RecordingBroker(Broker):
         self.log.extend((now, out.delay, out.message) for out in batch)
         return [PublishResult(out.message.job_id, True) for out in batch]
 
-    def consume(self, queues: Sequence[str], prefetch: int) -> AsyncIterator[Delivery]:
+    def consume(self, queues: Sequence[str], prefetch: int,
+                wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
         raise NotImplementedError
 
 

@@ -44,7 +44,7 @@ from helpers import (
 
 import duebox
 from duebox import MissingDependencyError, jobstore, recovery
-from duebox.brokers import redis as redis_broker
+from duebox.brokers import redis_mover
 from duebox.brokers.base import BrokerContext, Outgoing
 from duebox.clock import SystemClock
 from duebox.consumers import Worker
@@ -153,6 +153,21 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
         duebox.Duebox("sqlite://", "redis://127.0.0.1")
 
 
+def test_the_installed_package_finds_every_lua_script() -> None:
+    """The scripts are package data (pyproject.toml), read through
+    importlib.resources from wherever duebox is installed: every one the
+    backend registers is there, and none it would leave unused."""
+    from importlib import resources
+
+    from duebox.brokers import redis_scripts
+
+    folder = resources.files("duebox.brokers") / "lua"
+    shipped = {f.name for f in folder.iterdir() if f.name.endswith(".lua")}
+    assert shipped == {f"redis_{name}.lua" for name in redis_scripts.NAMES}
+    for name in redis_scripts.NAMES:
+        assert "redis.call(" in redis_scripts.source(name), name
+
+
 async def test_unreachable_redis_is_a_broker_error() -> None:
     ctx = BrokerContext(sa.create_engine("sqlite://"), SystemClock(), duebox.Settings())
     b = broker_class("redis://")("redis://127.0.0.1:1/0?socket_connect_timeout=1", ctx)
@@ -250,7 +265,7 @@ async def test_broker_delivers_at_the_due_millisecond(keys: Keys) -> None:
         await publisher.close()
         await consumer.close()
     late.sort()
-    lead = redis_broker._MOVE_LEAD_MS / 1000
+    lead = redis_mover.MOVE_LEAD_MS / 1000
     assert late[0] >= -lead - 0.001, late  # the score is rounded up to the ms
     assert late[len(late) // 2] < 0.05, late
 

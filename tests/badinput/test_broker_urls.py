@@ -106,3 +106,27 @@ def test_any_parameters_build_the_backend_or_are_refused_by_name(scheme: str) ->
         check()
     finally:
         app.dispose()
+
+
+NETLOCS = ["guest@h", "guest:@h", ":pw@h", "@h", "u:p@", "u%00:p@h", "u:p%ff@h", "h:0", "h:abc",
+           "h:99999", "h:-1", "[::1]:5672", "[::1", "h]", "u:p@h:1:2", "ü:ß@h", "h" * 300,
+           "u:" + "p" * 5000 + "@h", "%zz@h", "h?x", ""]
+
+
+@pytest.mark.parametrize("scheme", sorted(set(BASES) - {"memory", "sql"}))
+@pytest.mark.parametrize("netloc", NETLOCS)
+def test_any_user_host_and_port_build_the_backend_or_are_refused_by_name(
+        scheme: str, netloc: str) -> None:
+    """The authority part too (a user without a password made pika raise a
+    bare TypeError): building the backend works or is a ConfigurationError
+    naming broker_url."""
+    app = duebox.Duebox("sqlite://")
+    refused = ""
+    try:
+        app.configure(broker_url=f"{scheme}://{netloc}/")
+        app.broker()
+    except ConfigurationError as exc:
+        refused = str(exc)
+    finally:
+        app.dispose()
+    assert not refused or "broker_url" in refused, refused

@@ -9,7 +9,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from duebox.inspect import JobView, where_now
+import duebox
+from duebox.inspect import JobView, locator
+from duebox.inspect import where_now as where_in
 
 NOW = datetime(2026, 3, 29, 12, tzinfo=UTC)
 _BASE = JobView(id=uuid.uuid4(), task="t", queue="orders", state="ENQUEUED", version=1,
@@ -19,13 +21,22 @@ _BASE = JobView(id=uuid.uuid4(), task="t", queue="orders", state="ENQUEUED", ver
                 last_error=None, error_class=None)
 
 
+def where_now(row: JobView, broker_url: str, now: datetime) -> str:
+    """What `duebox jobs show` and the job page say, through the app's broker."""
+    app = duebox.Duebox(database_url="sqlite://", broker_url=broker_url)
+    try:
+        return where_in(row, locator(app), now)
+    finally:
+        app.dispose()
+
+
 def _enqueued(delay_ms: int, elapsed_ms: int) -> JobView:
     published = NOW - timedelta(milliseconds=elapsed_ms)
     return dataclasses.replace(_BASE, published_at=published,
                                due_at=published + timedelta(milliseconds=delay_ms))
 
 
-@pytest.mark.parametrize("url", ["amqp://guest@localhost/", "amqps://guest@rabbit.example/"])
+@pytest.mark.parametrize("url", ["amqp://guest:guest@localhost/", "amqps://app:secret@rabbit.example/"])
 def test_rabbitmq_tier_follows_the_delay_digits(url: str) -> None:
     # 0x1a0 ms = 416 ms: 256 ms in tier 2.1, then 160 ms in tier 1.a.
     assert "delay tier 2.1 (stop 1 of 2)" in where_now(_enqueued(0x1A0, 100), url, NOW)

@@ -1,0 +1,54 @@
+"""What an ``amqp://`` (or ``amqps://``) URL says, checked (see
+:mod:`duebox.brokers.amqp`).
+
+Kept apart from the backend so a URL can be checked without pika.  The
+parameters not listed in :data:`OWN_PARAMS` are pika's (``heartbeat``,
+``ssl_options``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from duebox.errors import ConfigurationError
+
+from ._common import number
+from .amqp_topology import MODES, Topology
+from .base import parse_params
+
+OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "confirm_timeout"})
+
+
+@dataclass(frozen=True)
+class AMQPSettings:
+    """``topology``: every name, from ``?prefix=`` and ``?queue_type=``.
+    ``delay_mode``: ``auto`` (the plugin when the broker has it), ``plugin``
+    or ``tiers``.  ``confirm_timeout``: seconds a publish waits for the
+    broker's confirms."""
+
+    topology: Topology
+    delay_mode: str = "auto"
+    confirm_timeout: float = 30.0
+
+    @classmethod
+    def from_url(cls, url: str) -> AMQPSettings:
+        params = parse_params(url)
+        topology = topology_of(params)
+        mode = params.get("delay_mode", "auto")
+        if mode not in MODES:
+            raise ConfigurationError(
+                f"broker_url: delay_mode must be one of {', '.join(MODES)} (got {mode!r})")
+        return cls(topology=topology, delay_mode=mode,
+                   confirm_timeout=number(params, "confirm_timeout", 30.0, low=0.0,
+                                          seconds=True, above=True))
+
+    @property
+    def plugin(self) -> bool | None:
+        """Whether delays use the plugin; None: detected at connect."""
+        return {"auto": None, "tiers": False, "plugin": True}[self.delay_mode]
+
+
+def topology_of(params: dict[str, str]) -> Topology:
+    """The names alone (all a queue-name check needs)."""
+    return Topology(prefix=params.get("prefix", "duebox"),
+                    queue_type=params.get("queue_type", "classic"))

@@ -1,0 +1,130 @@
+"""What a ``kafka://`` topic lost, for the relay's reconciliation.
+
+Kafka keeps no "is this message still there" index, but a topic that was
+deleted, wiped or cut by retention before its messages were read is
+noticed: :meth:`LossWatch.data_lost` watches for a partition whose end
+offset went below what this relay produced to it, and
+:meth:`LossWatch.missing` names the ``ENQUEUED`` jobs published before the
+oldest message the topic still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from duebox.errors import BrokerError, MissingDependencyError
+
+from .kafka_settings import KafkaSettings
+
+try:
+    from aiokafka import TopicPartition
+    from aiokafka.errors import KafkaError
+except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
+    raise MissingDependencyError("aiokafka", "kafka") from exc
+
+if TYPE_CHECKING:
+    from duebox.recovery import EnqueuedRef
+
+log = logging.getLogger("duebox.brokers.kafka")
+
+
+class LossWatch:
+    """``probe``: the broker's group-less consumer, started on first use."""
+
+    def __init__(self, settings: KafkaSettings, where: str,
+                 probe: Callable[[], Awaitable[Any]]) -> None:
+        self.settings = settings
+        self.where = where
+        self._probe = probe
+        self.produced: dict[Any, int] = {}  # partition -> highest offset produced + 1
+        self._first_check = True
+        self._last_check = time.monotonic()
+        self._oldest: dict[str, tuple[float, float]] = {}  # topic -> (checked at, oldest ts)
+
+    async def data_lost(self) -> bool:
+        """True once on first use (a relay that starts after an outage
+        checks), then when a partition's end offset fell below what this
+        process produced to it (the topic was deleted or wiped); looked at
+        every ``check_interval`` seconds."""
+        if self._first_check:
+            self._first_check = False
+            return True
+        if not self.produced or time.monotonic() - self._last_check < \
+                self.settings.check_interval:
+            return False
+        self._last_check = time.monotonic()
+        try:
+            probe = await self._probe()
+            ends = await probe.end_offsets(list(self.produced))
+        except (KafkaError, BrokerError, OSError) as exc:
+            log.debug("%s: could not read end offsets (%s)", self.where, exc)
+            if "UnknownTopicOrPartition" in repr(exc) or "not found" in str(exc):
+                self.produced.clear()
+                return True
+            return False
+        lost = [tp for tp, end in ends.items() if end < self.produced.get(tp, 0)]
+        if lost:
+            log.warning("%s: partitions %s hold fewer messages than were produced to them; "
+                        "republishing what they lost", self.where, lost)
+            self.produced.clear()
+            self._oldest.clear()
+        return bool(lost)
+
+    async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
+        """Jobs published before the oldest message their topic still holds
+        (all of them when it holds none): deleted, wiped or expired unread."""
+        gone: list[uuid.UUID] = []
+        by_queue: dict[str, list[EnqueuedRef]] = {}
+        for ref in jobs:
+            by_queue.setdefault(ref.queue, []).append(ref)
+        for queue, refs in by_queue.items():
+            oldest = await self._oldest_timestamp(self.settings.topic(queue))
+            for ref in refs:
+                if ref.published_at is None or ref.published_at.timestamp() < oldest:
+                    gone.append(ref.id)
+        return gone
+
+    async def _oldest_timestamp(self, topic: str) -> float:
+        """Epoch seconds of the oldest message ``topic`` holds; +inf if none."""
+        cached = self._oldest.get(topic)
+        if cached is not None and time.monotonic() - cached[0] < 1.0:
+            return cached[1]
+        try:
+            probe = await self._probe()
+            parts = await asyncio.wait_for(self._partitions(probe, topic),
+                                           self.settings.request_timeout_ms / 1000)
+            oldest = float("inf")
+            if parts:
+                begins = await probe.beginning_offsets(parts)
+                ends = await probe.end_offsets(parts)
+                full = [tp for tp in parts if ends[tp] > begins[tp]]
+                if full:
+                    probe.assign(full)
+                    for tp in full:
+                        probe.seek(tp, begins[tp])
+                    firsts: dict[Any, float] = {}
+                    deadline = time.monotonic() + self.settings.request_timeout_ms / 1000
+                    while len(firsts) < len(full) and time.monotonic() < deadline:
+                        got = await probe.getmany(timeout_ms=200, max_records=len(full))
+                        for tp, msgs in got.items():
+                            if msgs and tp not in firsts:
+                                firsts[tp] = msgs[0].timestamp / 1000.0
+                                probe.pause(tp)
+                    # Could not read them all: claim nothing is missing.
+                    oldest = min(firsts.values()) if len(firsts) == len(full) else -oldest
+                    probe.assign([])
+        except (KafkaError, OSError, TimeoutError) as exc:
+            raise BrokerError(f"{self.where}: reading topic {topic!r} failed: {exc}") from exc
+        self._oldest[topic] = (time.monotonic(), oldest)
+        return oldest
+
+    @staticmethod
+    async def _partitions(probe: Any, topic: str) -> list[Any]:
+        await probe._client.force_metadata_update()
+        found = probe._client.cluster.partitions_for_topic(topic) or set()
+        return [TopicPartition(topic, p) for p in sorted(found)]
