@@ -20,12 +20,13 @@ from duebox.schedules import (
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
     DeleteResult,
+    PutResult,
     ScheduleInfo,
 )
 from duebox.values import shown
 
 from .loading import load_app
-from .options import app_options, operator_options
+from .options import TEXT, app_options, operator_options
 
 
 def _local(at: datetime, zone: tzinfo) -> str:
@@ -80,21 +81,40 @@ def schedules() -> None:
 @click.option("--expire-after", default=None, type=click.IntRange(1),
               help="Seconds after its due time an occurrence expires instead of running.")
 @click.option("--paused", is_flag=True, help="Create it paused.")
+@click.option("--update", is_flag=True,
+              help="Create it, or make an existing NAME match these options (its version "
+                   "goes up only when something changed; a pause stays as it is).")
+@click.option("--operator", envvar="DUEBOX_OPERATOR", default=None, type=TEXT,
+              help="With --update: who, for the audit row of a change. [env DUEBOX_OPERATOR]")
+@click.option("--reason", default=None, type=TEXT,
+              help="With --update: why, for the audit row of a change.")
 def schedules_add(app_spec: str | None, database_url: str | None, broker_url: str | None,
-                  name: str, task: str, cron: str, timezone: str, payload: Any,
-                  queue: str | None, jitter: int, misfire: str, overlap: str, gap: str,
-                  fold: str, priority: int, expire_after: int | None, paused: bool) -> None:
-    """Add schedule NAME running TASK on CRON (5 fields, or 6 with seconds first)."""
+                  name: str, task: str, cron: str, update: bool, operator: str | None,
+                  reason: str | None, **options: Any) -> None:
+    """Add schedule NAME running TASK on CRON (5 fields, or 6 with seconds first);
+    with --update, add or update it (what a deploy script runs every time)."""
+    if not update and (operator is not None or reason is not None):
+        raise click.UsageError("--operator and --reason go with --update (adding a new "
+                               "schedule writes no audit row)")
     app = load_app(app_spec, database_url, broker_url)
     with Session(app.engine) as session, session.begin():
-        sid = app.schedules.add(
-            session, name, task, cron, timezone=timezone, payload=payload, queue=queue,
-            jitter=jitter, misfire=misfire, overlap=overlap, gap=gap, fold=fold,
-            priority=priority, expire_after=expire_after, paused=paused,
-        )
+        if update:
+            done = app.schedules.put(session, name, task, cron, operator=operator,
+                                     reason=reason, **options)
+            assert isinstance(done, PutResult)
+            sid = done.id
+        else:
+            sid = app.schedules.add(session, name, task, cron, **options)
         info = app.schedules.get(session, str(sid))
     assert isinstance(info, ScheduleInfo)
-    click.echo(f"schedule {shown(name)} {sid} added: {info.cron!r} in {info.timezone}")
+    if not update or done.outcome == "created":
+        click.echo(f"schedule {shown(name)} {sid} added: {info.cron!r} in {info.timezone}")
+    elif done.outcome == "updated":
+        click.echo(f"schedule {shown(name)} {sid} updated to version {done.version} "
+                   f"({', '.join(done.changed)}): {info.cron!r} in {info.timezone}")
+    else:
+        click.echo(f"schedule {shown(name)} {sid} unchanged: {info.cron!r} in "
+                   f"{info.timezone}, version {done.version}")
     _echo_next(app.schedules.next_fires(info, 3), info)
 
 
@@ -110,11 +130,12 @@ def schedules_list(app_spec: str | None, database_url: str | None,
     if not infos:
         click.echo("no schedules")
         return
-    click.echo(f"{'name':<24} {'cron':<18} {'zone':<20} {'next fire (UTC)':<21} {'state':<7} id")
+    click.echo(f"{'name':<24} {'cron':<18} {'zone':<20} {'next fire (UTC)':<21} {'state':<7} "
+               f"{'origin':<6} id")
     for i in infos:
         nxt = _utc(i.next_fire_at) if i.next_fire_at and not i.paused else "-"
         click.echo(f"{shown(i.name):<24} {i.cron:<18} {i.timezone:<20} {nxt:<21} "
-                   f"{'paused' if i.paused else 'active':<7} {i.id}")
+                   f"{'paused' if i.paused else 'active':<7} {i.origin:<6} {i.id}")
 
 
 @schedules.command("show")
@@ -143,7 +164,9 @@ def schedules_show(app_spec: str | None, database_url: str | None, broker_url: s
         f"fold {info.fold}\n"
         f"  jitter    {info.jitter} s; expire after "
         f"{f'{info.expire_after} s' if info.expire_after else 'never'}\n"
-        f"  paused    {'yes' if info.paused else 'no'}   version {info.version}\n"
+        f"  paused    {'yes' if info.paused else 'no'}   version {info.version}"
+        f"{_retired(info)}\n"
+        f"  origin    {_ORIGINS.get(info.origin, info.origin)}\n"
         f"  cursor    next fire {_utc(info.next_fire_at) if info.next_fire_at else '-'}, "
         f"last generated {last}"
     )
@@ -235,6 +258,16 @@ def schedules_next(app_spec: str | None, database_url: str | None, broker_url: s
                f"(gap {info.gap}, fold {info.fold}"
                + (f", +0..{info.jitter} s jitter" if info.jitter else "") + ")")
     _echo_next(app.schedules.next_fires(info, count, after=start), info)
+
+
+_ORIGINS = {"api": "made by hand (CLI or app.schedules)",
+            "code": "declared in code (@app.task(schedule=...)), synced by relays"}
+
+
+def _retired(info: ScheduleInfo) -> str:
+    if info.retired_at is None:
+        return ""
+    return f" (paused by a relay's sync: no longer declared in code since {_utc(info.retired_at)})"
 
 
 def _echo_next(fires: list[Fire], info: ScheduleInfo) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
-from duebox import dispatched, jobstore
+from duebox import dispatched, jobstore, tracing
 from duebox.batched import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
@@ -433,7 +433,10 @@ class Worker:
 
     async def _execute(self, task: Task, rec: jobstore.JobRecord,
                        leased: datetime | None, early: bool = False) -> None:
-        outcome, started = await self.executors.run(task, rec, leased, early=early)
+        with tracing.attempt_span(rec.task, rec.queue, rec.id, rec.attempt, rec.headers) as span:
+            outcome, started = await self.executors.run(task, rec, leased, early=early)
+            tracing.outcome(span, outcome.status, None if outcome.failure_class is None
+                            else str(outcome.failure_class))
         if outcome.status is RunStatus.RELEASED:  # stopping: given back, never started
             return
         if outcome.status is RunStatus.CANCELLED:  # seen under the group's lock, before it ran

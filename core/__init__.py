@@ -28,6 +28,7 @@ from .errors import (
 from .failures import Classifier, FailureClass, Permanent, Throttled, Transient
 from .inspect import JobInfo
 from .message import JobMessage
+from .periodic import Periodic
 from .producer import NewJob
 from .states import JobState
 from .tables import metadata
@@ -92,6 +93,7 @@ __all__ = [
     "MessageDecodeError",
     "MissingDependencyError",
     "NewJob",
+    "Periodic",
     "Permanent",
     "PermissionDeniedError",
     "RedisDedupeStore",

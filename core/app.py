@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -16,6 +16,7 @@ from .db import create_async_engine_for, create_sync_engine
 from .errors import ConfigurationError, UnknownTaskError, ValidationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
 from .inspect import JobInfo, record_steps
+from .periodic import Periodic, declarations
 from .producer import (
     NewJob,
     Target,
@@ -36,6 +37,7 @@ from .schedules import Schedules
 from .seam import BrokerContext
 from .targets import AsyncTarget, SyncTarget
 from .tasks import Handler, RetryPolicy, Task, check_task_seconds, validate_task_options
+from .tracing import stamp
 from .values import aware, check_json, check_operator, check_optional_str, encode_json
 
 if TYPE_CHECKING:
@@ -74,6 +76,9 @@ class Duebox:
         self._async_engine: AsyncEngine | None = None
         self._limit: tuple[tuple[str, int], tuple[int, str]] | None = None
         self.schedules = Schedules(self)
+        # Schedules declared with @app.task(schedule=...), by schedule name:
+        # what relays sync into the schedule table at start.
+        self.declared_schedules: dict[str, Periodic] = {}
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **kw: Any) -> Duebox:
@@ -140,6 +145,8 @@ class Duebox:
         max_lateness: float | None = None,
         mask: Callable[[Any], Any] | None = None,
         group_commit: bool = True,
+        schedule: str | Periodic | Sequence[Periodic] | None = None,
+        timezone: str | None = None,
     ) -> Callable[[F], F]:
         """Register ``fn(payload, ctx)`` (sync or async) as task ``name``.
 
@@ -153,6 +160,10 @@ class Duebox:
         dashboard shows that, never the raw payload).
         ``group_commit=False``: each job runs in a transaction of its own, never
         shared with other jobs' (see docs/worker.md, "Group commit").
+        ``schedule`` declares a recurring schedule in code: a cron rule
+        (evaluated in ``timezone``, default UTC) or :class:`Periodic` values;
+        relays create, update and retire such schedules when they start (see
+        docs/schedules.md, "Schedules as code").
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
@@ -163,6 +174,12 @@ class Duebox:
             raise ConfigurationError(f"group_commit: must be True or False (got {group_commit!r})")
         classifier = (classify if isinstance(classify, Classifier)
                       else DEFAULT_CLASSIFIER.extend(classify or {}))
+        declared = declarations(name, schedule, timezone)
+        for p in declared:
+            other = self.declared_schedules.get(p.name or "")
+            if other is not None and other.task != name:
+                raise ConfigurationError(f"schedule {p.name!r}: declared by task {other.task!r} "
+                                         f"and by task {name!r}; give one another name")
 
         def register(fn: F) -> F:
             self.tasks[name] = Task(
@@ -171,6 +188,11 @@ class Duebox:
                 classifier=classifier, timeout=timeout, validate=validate,
                 max_lateness=max_lateness, mask=mask, group_commit=group_commit,
             )
+            # Registering a task again replaces what it declared before.
+            for old in [k for k, v in self.declared_schedules.items() if v.task == name]:
+                del self.declared_schedules[old]
+            for p in declared:
+                self.declared_schedules[p.name or name] = p
             return fn
 
         return register
@@ -230,10 +252,11 @@ class Duebox:
             raise ValidationError("expires_at", "must be later than the job's due time", expires_at)
         payload_json = encode_json(payload)
         size = json_size(payload_json)
+        if headers is not None and not isinstance(headers, dict):
+            raise ValidationError("headers", "must be a dict", headers)
+        headers = stamp(headers, name, task.queue)  # the trace context, when traced
         headers_json = None
         if headers is not None:
-            if not isinstance(headers, dict):
-                raise ValidationError("headers", "must be a dict", headers)
             headers_json = encode_json(headers, "headers")
             size += json_size(headers_json)
         check_size(size, *self.payload_limit())

@@ -15,6 +15,7 @@ from .values import MAX_SPAN
 
 DEFAULT_DATABASE_URL = "sqlite:///duebox.db"
 DEFAULT_BROKER_URL = "sql://"
+REMOVED_SCHEDULES = ("pause", "delete")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class Settings:
     # relay and the sql:// worker apply the same one; unset, both read
     # DUEBOX_DISPATCH_POLICY when they start.
     dispatch_policy: DispatchPolicy | Mapping[str, Any] | str | None = None
+    # What a relay's sync does to a schedule declared in code that is no
+    # longer declared: "pause" it (kept, with its history; declared again,
+    # it resumes) or "delete" it (its pending occurrences still run).
+    removed_schedules: str = "pause"
 
     def __post_init__(self) -> None:
         if self.dispatch_policy is not None:
@@ -74,6 +79,10 @@ class Settings:
         if not _finite(self.clock_skew_margin) or not 0 <= self.clock_skew_margin <= _MOST:
             raise ConfigurationError(f"clock_skew_margin: must be a number from 0 to {_MOST:.0f} "
                                      f"(got {self.clock_skew_margin!r})")
+        if self.removed_schedules not in REMOVED_SCHEDULES:
+            raise ConfigurationError(
+                "removed_schedules: must be one of " + ", ".join(REMOVED_SCHEDULES)
+                + f" (got {self.removed_schedules!r})")
         for name in ("database_url", "broker_url"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name}: must be a non-empty URL string")

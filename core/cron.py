@@ -80,8 +80,53 @@ def parse_cron(expr: object) -> str:
     if any(f.upper().startswith("H") or "H(" in f.upper() for f in fields):
         raise ValidationError("cron", "hashed fields (H) are not supported", expr)
     if not croniter.is_valid(text, second_at_beginning=True):
-        raise ValidationError("cron", "is not a valid cron expression", expr)
+        problem = _field_problem(fields)
+        raise ValidationError("cron", problem or "is not a valid cron expression", expr)
     return text
+
+
+# Each field's name, range and the names it accepts, minute first; a 6-field
+# rule puts the second in front.
+_FIELDS = (
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day-of-month", 1, 31, ()),
+    ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
+                      "nov", "dec")),
+    ("day-of-week", 0, 7, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")),
+)
+_SECOND_FIELD = ("second", 0, 59, ())
+
+
+def _field_problem(fields: list[str]) -> str | None:
+    """Which field of a rule croniter refused, and why: "minute field '61' is
+    out of range 0-59".  None when no single value is to blame (then the
+    caller says the expression as a whole is not valid)."""
+    specs = ((_SECOND_FIELD,) if len(fields) == 6 else ()) + _FIELDS
+    for (name, lo, hi, names), text in zip(specs, fields, strict=True):
+        for part in text.split(","):
+            problem = _part_problem(part, lo, hi, names)
+            if problem is not None:
+                return f"{name} field {problem}"
+    return None
+
+
+def _part_problem(part: str, lo: int, hi: int, names: tuple[str, ...]) -> str | None:
+    span, _, step = part.partition("/")
+    if step and (not step.isdigit() or int(step) < 1):
+        return f"step '{step}' must be a whole number >= 1"
+    if not span:
+        return f"'{part}' is empty"
+    if span in ("*", "?") or "L" in span.upper() or "#" in span or "W" in span.upper():
+        return None  # special forms: croniter's own judgement stands
+    for value in span.split("-"):
+        if value.isdigit():
+            if not lo <= int(value) <= hi:
+                return f"'{value}' is out of range {lo}-{hi}"
+        elif value.lower() not in names:
+            return (f"'{value}' is not a number from {lo} to {hi}"
+                    + (f" or a name ({', '.join(names[:3])} ...)" if names else ""))
+    return None
 
 
 # Present in some systems' zone directories but not IANA zones: they would

@@ -30,6 +30,7 @@ from typing import Any
 
 from .errors import MessageDecodeError
 from .states import Discard
+from .tracing import TRACE_HEADERS
 
 FORMAT = "duebox/1"
 
@@ -171,6 +172,8 @@ class JobMessage:
             HEADER_ATTEMPT: str(self.attempt),
             HEADER_DUE_AT: self.due_at.isoformat(),
             HEADER_TASK: self.task,
+            # The W3C trace context (duebox.tracing), where the job has one.
+            **{k: str(self.headers[k]) for k in TRACE_HEADERS if k in self.headers},
         }
 
     @classmethod

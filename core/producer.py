@@ -198,10 +198,11 @@ def drive(target: Target, steps: Steps[T]) -> T | Awaitable[T]:
     """Run ``steps`` on ``target``: directly for sync, as a coroutine for async."""
     if isinstance(target, AsyncSession | AsyncConnection):
         return _drive_async(target, steps)
-    return _drive_sync(target, steps)
+    return drive_sync(target, steps)
 
 
-def _drive_sync(target: Session | Connection, steps: Steps[T]) -> T:
+def drive_sync(target: Session | Connection, steps: Steps[T]) -> T:
+    """:func:`drive` for a caller that holds a sync target (typed as such)."""
     try:
         step = next(steps)
         while True:

@@ -32,7 +32,6 @@ from .cron import (
     GAP_POLICIES,
     Fire,
     Rule,
-    cached_rule,
     check_policy,
 )
 from .db import insert_if_absent
@@ -48,10 +47,18 @@ from .producer import (
     drive,
 )
 from .registry import check_queue_name
+from .schedule_put import PutResult, put_steps
+from .schedule_rows import (
+    ScheduleInfo,
+    ScheduleNotFoundError,
+    audit_steps,
+    check_who,
+    get_steps,
+)
 from .states import JobState
-from .tables import audit, job, schedule
+from .tables import job, schedule
 from .targets import AsyncTarget, SyncTarget
-from .values import check_operator, check_optional_str, check_text, seconds_of
+from .values import check_optional_str, seconds_of
 
 if TYPE_CHECKING:
     from .clock import Clock
@@ -84,57 +91,9 @@ MAX_EXPIRE_AFTER = 2**31 - 1
 # message already in a broker is then discarded by the worker's version
 # check).
 PENDING_STATES = (JobState.SCHEDULED, JobState.DISPATCHING, JobState.ENQUEUED)
-
-
-class ScheduleNotFoundError(ValidationError):
-    """No schedule has this id or name."""
-
-    def __init__(self, ref: object) -> None:
-        super().__init__("schedule", "must be the id or name of an existing schedule", ref)
-
-
-@dataclass(frozen=True)
-class ScheduleInfo:
-    """One schedule as stored."""
-
-    id: uuid.UUID
-    name: str
-    task: str
-    queue: str
-    cron: str
-    timezone: str
-    payload: Any
-    next_fire_at: datetime | None
-    last_fire_at: datetime | None
-    misfire: str
-    overlap: str
-    gap: str
-    fold: str
-    jitter: int
-    priority: int
-    max_attempts: int
-    expire_after: int | None
-    version: int
-    paused: bool
-    created_at: datetime
-    updated_at: datetime
-
-    @property
-    def rule(self) -> Rule:
-        return cached_rule(self.cron, self.timezone, self.gap, self.fold)
-
-    @classmethod
-    def from_row(cls, row: Row[Any]) -> ScheduleInfo:
-        m = row._mapping
-        return cls(
-            id=m["id"], name=m["name"], task=m["task"], queue=m["queue"], cron=m["cron"],
-            timezone=m["timezone"], payload=m["payload"], next_fire_at=m["next_fire_at"],
-            last_fire_at=m["last_fire_at"], misfire=m["misfire_policy"],
-            overlap=m["overlap_policy"], gap=m["gap_policy"], fold=m["fold_policy"],
-            jitter=m["jitter_seconds"], priority=m["priority"], max_attempts=m["max_attempts"],
-            expire_after=m["expire_after_seconds"], version=m["version"],
-            paused=bool(m["paused"]), created_at=m["created_at"], updated_at=m["updated_at"],
-        )
+# The keyword arguments of add and put, for validate.
+_OPTIONS = frozenset({"timezone", "payload", "queue", "jitter", "misfire", "overlap", "gap",
+                      "fold", "priority", "expire_after", "paused"})
 
 
 # --- validation -------------------------------------------------------------
@@ -146,35 +105,6 @@ def _seconds(field: str, value: object, *, minimum: int, maximum: int) -> int:
         raise ValidationError(field, f"must be a whole number of seconds from {minimum} to "
                               f"{maximum}", value)
     return int(seconds)
-
-
-def _ref_condition(ref: object) -> Any:
-    if isinstance(ref, uuid.UUID):
-        return schedule.c.id == ref
-    if isinstance(ref, str) and ref:
-        try:
-            return schedule.c.id == uuid.UUID(ref)
-        except ValueError:
-            return schedule.c.name == check_text("schedule", ref)
-    raise ValidationError("schedule", "must be a schedule id (UUID) or name", ref)
-
-
-def _audit(now: datetime, who: tuple[str, str] | None, action: str, info: ScheduleInfo,
-           **details: Any) -> Steps[None]:
-    """The audit row of an operator's action on a schedule (none without an
-    operator: the application's own calls, like cancel's)."""
-    if who is not None:
-        yield audit.insert().values(
-            id=uuid7(), at=now, operator=who[0], action=f"schedule_{action}", job_id=None,
-            reason=who[1],
-            details={"schedule": info.name, "schedule_id": str(info.id), **details})
-
-
-def _who(operator: object, reason: object) -> tuple[str, str] | None:
-    """Operator and reason checked before any SQL; None when neither is given."""
-    if operator is None and reason is None:
-        return None
-    return check_operator(operator, reason)
 
 
 @dataclass(frozen=True)
@@ -193,17 +123,10 @@ class DeleteResult:
 def _add_steps(values: dict[str, Any], dialect: str) -> Steps[uuid.UUID]:
     result = yield insert_if_absent(schedule, values, dialect, ["name"])
     if result.rowcount != 1:
-        raise ValidationError("name", "a schedule with this name already exists",
-                              values["name"])
+        raise ValidationError("name", "a schedule with this name already exists "
+                              "(app.schedules.put or `duebox schedules add --update` updates "
+                              "it)", values["name"])
     return uuid.UUID(str(values["id"]))
-
-
-def _get_steps(ref: object) -> Steps[ScheduleInfo]:
-    result = yield select(schedule).where(_ref_condition(ref))
-    row = result.first()
-    if row is None:
-        raise ScheduleNotFoundError(ref)
-    return ScheduleInfo.from_row(row)
 
 
 def _list_steps(include_paused: bool) -> Steps[list[ScheduleInfo]]:
@@ -215,18 +138,18 @@ def _list_steps(include_paused: bool) -> Steps[list[ScheduleInfo]]:
 
 
 def _pause_steps(ref: object, now: datetime, who: tuple[str, str] | None) -> Steps[bool]:
-    info = yield from _get_steps(ref)
+    info = yield from get_steps(ref)
     result = yield (update(schedule).where(schedule.c.id == info.id, schedule.c.paused.is_(False))
                     .values(paused=True, version=schedule.c.version + 1, updated_at=now))
     if result.rowcount != 1:
         return False
-    yield from _audit(now, who, "pause", info)
+    yield from audit_steps(now, who, "pause", info)
     return True
 
 
 def _resume_steps(ref: object, now: datetime, who: tuple[str, str] | None
                   ) -> Steps[datetime | None]:
-    info = yield from _get_steps(ref)
+    info = yield from get_steps(ref)
     if not info.paused:
         return info.next_fire_at
     # What would have fired while paused is not a misfire: start afresh.
@@ -234,16 +157,16 @@ def _resume_steps(ref: object, now: datetime, who: tuple[str, str] | None
     at = nxt.at if nxt else None
     result = yield (update(schedule).where(schedule.c.id == info.id, schedule.c.paused.is_(True))
                     .values(paused=False, next_fire_at=at, version=schedule.c.version + 1,
-                            updated_at=now))
+                            updated_at=now, retired_at=None))
     if result.rowcount == 1:
-        yield from _audit(now, who, "resume", info,
+        yield from audit_steps(now, who, "resume", info,
                           next_fire_at=at.isoformat() if at else None)
     return at
 
 
 def _delete_steps(ref: object, now: datetime, cancel_pending: bool,
                   who: tuple[str, str] | None) -> Steps[DeleteResult]:
-    info = yield from _get_steps(ref)
+    info = yield from get_steps(ref)
     found = yield (select(job.c.id).where(job.c.schedule_id == info.id,
                                           job.c.state.in_(list(PENDING_STATES)))
                    .order_by(job.c.due_at))
@@ -262,13 +185,13 @@ def _delete_steps(ref: object, now: datetime, cancel_pending: bool,
     if result.rowcount != 1:
         raise ScheduleNotFoundError(ref)  # deleted meanwhile by someone else
     outcome = DeleteResult(cancelled=cancelled, kept=0 if cancel_pending else len(pending))
-    yield from _audit(now, who, "delete", info, task=info.task, cron=info.cron,
+    yield from audit_steps(now, who, "delete", info, task=info.task, cron=info.cron,
                       timezone=info.timezone, cancelled=outcome.cancelled, kept=outcome.kept)
     return outcome
 
 
 def _history_steps(ref: object, limit: int) -> Steps[list[Row[Any]]]:
-    info = yield from _get_steps(ref)
+    info = yield from get_steps(ref)
     result = yield (
         select(job.c.id, job.c.nominal_fire_at, job.c.due_at, job.c.state, job.c.attempt)
         .where(job.c.schedule_id == info.id)
@@ -347,10 +270,51 @@ class Schedules:
         )
         return drive(session, _add_steps(values, dialect))
 
+    @overload
+    def put(
+        self, session: SyncTarget, name: str, task: str, cron: str, *,
+        timezone: str = "UTC", payload: Any = None, queue: str | None = None,
+        jitter: int | timedelta = 0, misfire: str = DEFAULT_MISFIRE,
+        overlap: str = DEFAULT_OVERLAP, gap: str = DEFAULT_GAP, fold: str = DEFAULT_FOLD,
+        priority: int = 0, expire_after: int | timedelta | None = None, paused: bool = False,
+        operator: str | None = None, reason: str | None = None,
+    ) -> PutResult: ...
+
+    @overload
+    def put(
+        self, session: AsyncTarget, name: str, task: str, cron: str, *,
+        timezone: str = "UTC", payload: Any = None, queue: str | None = None,
+        jitter: int | timedelta = 0, misfire: str = DEFAULT_MISFIRE,
+        overlap: str = DEFAULT_OVERLAP, gap: str = DEFAULT_GAP, fold: str = DEFAULT_FOLD,
+        priority: int = 0, expire_after: int | timedelta | None = None, paused: bool = False,
+        operator: str | None = None, reason: str | None = None,
+    ) -> Coroutine[Any, Any, PutResult]: ...
+
+    def put(
+        self, session: Target, name: str, task: str, cron: str, *,
+        operator: str | None = None, reason: str | None = None, **options: Any,
+    ) -> PutResult | Awaitable[PutResult]:
+        """Create schedule ``name`` or make it match these arguments (those of
+        :meth:`add`); never commits.  Nothing changed: no write, the version
+        stays.  Something changed: the version goes up by one, and the next
+        fire time is recomputed from now if the rule (cron, zone, gap, fold)
+        changed.  ``paused`` applies only when put creates the schedule: a
+        pause or resume stays as an operator left it.  With ``operator`` (and
+        a ``reason``) a change writes an audit row (``schedule_add`` or
+        ``schedule_update``, naming each changed setting).  See
+        :class:`duebox.schedule_put.PutResult` for what it returns."""
+        dialect = dialect_of(session)
+        who = check_who(operator, reason)
+        values = self.validate(name, task, cron, **options)
+        return drive(session, put_steps(values, dialect, self._app.clock.now(), who))
+
     def validate(self, name: object, task: object, cron: object, **options: Any
                  ) -> dict[str, Any]:
         """Check every argument of :meth:`add` (naming the field at fault) and
         return the row to insert."""
+        unknown = sorted(set(options) - _OPTIONS)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) for a schedule: {unknown}")
         check_optional_str("name", name, 200)
         if name is None:
             raise ValidationError("name", "must be a non-empty string", name)
@@ -403,7 +367,7 @@ class Schedules:
             ) -> ScheduleInfo | Awaitable[ScheduleInfo]:
         """A schedule by id or name; :class:`ScheduleNotFoundError` if none."""
         dialect_of(session)
-        return drive(session, _get_steps(ref))
+        return drive(session, get_steps(ref))
 
     @overload
     def list(self, session: SyncTarget, *, include_paused: bool = True
@@ -437,7 +401,7 @@ class Schedules:
         an audit row ``schedule_pause`` in the same transaction, as
         :meth:`Duebox.cancel` does; so do :meth:`resume` and :meth:`delete`."""
         dialect_of(session)
-        who = _who(operator, reason)
+        who = check_who(operator, reason)
         return drive(session, _pause_steps(ref, self._app.clock.now(), who))
 
     @overload
@@ -454,7 +418,7 @@ class Schedules:
         """Generate again from the next fire time after now (what fell in the
         pause is not fired); returns that time."""
         dialect_of(session)
-        who = _who(operator, reason)
+        who = check_who(operator, reason)
         return drive(session, _resume_steps(ref, self._app.clock.now(), who))
 
     @overload
@@ -477,7 +441,7 @@ class Schedules:
         dialect_of(session)
         if not isinstance(cancel_pending, bool):
             raise ValidationError("cancel_pending", "must be True or False", cancel_pending)
-        who = _who(operator, reason)
+        who = check_who(operator, reason)
         return drive(session, _delete_steps(ref, self._app.clock.now(), cancel_pending, who))
 
     @overload
@@ -509,6 +473,7 @@ __all__ = [
     "MISFIRE_POLICIES",
     "OVERLAP_POLICIES",
     "DeleteResult",
+    "PutResult",
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "Schedules",

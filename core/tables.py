@@ -251,6 +251,13 @@ schedule = Table(
     _dt("last_fire_at"),
     _dt("created_at", nullable=False),
     _dt("updated_at", nullable=False),
+    # Added by migration 0007 (schedules as code, see duebox.schedule_sync):
+    # "api" for a schedule made by hand (app.schedules, the CLI), which the
+    # relay's sync never touches; "code" for one declared next to its task.
+    Column("origin", String(8), nullable=False, default="api"),
+    # When the sync paused a "code" schedule because it left the code: only
+    # such a pause is undone when the declaration comes back.
+    _dt("retired_at"),
     UniqueConstraint("name", name="uq_duebox_schedule_name"),
     Index("ix_duebox_schedule_next", "paused", "next_fire_at"),
 )

@@ -22,6 +22,7 @@ from duebox.heartbeat import ROLES
 from duebox.inspect import id_prefix, prefix_range
 from duebox.inspect_status import lateness_sample, percentile
 from duebox.metrics import IN_FLIGHT_STATES
+from duebox.occurrences import jitter_for
 from duebox.schedules import ScheduleInfo
 from duebox.states import JobState
 from duebox.tables import audit, job, lease, schedule
@@ -192,6 +193,41 @@ def due_ahead(conn: Connection, now: datetime, *, horizon: float = 6 * 3600.0,
         n = int(conn.execute(select(func.count()).select_from(ids)).scalar_one())
         out.append(DueBucket(lo, n, n >= cap))
     return out
+
+
+def fires_ahead(conn: Connection, now: datetime, *, horizon: float = 6 * 3600.0,
+                buckets: int = 24, cap: int = 10_000, schedules_max: int = 500) -> list[int]:
+    """Schedule fire times due in each slice of the next ``horizon`` seconds
+    that are not jobs yet: those at or after each active schedule's cursor
+    (``next_fire_at``; earlier ones were generated and are counted by
+    :func:`due_ahead`), jitter included.  At most ``schedules_max`` schedules
+    (the soonest) and ``cap`` fire times in all, so a rule firing every
+    second costs a bounded walk; a schedule whose stored rule no longer
+    loads is left out (generation reports it)."""
+    width = horizon / buckets
+    budget = cap
+    end = now + timedelta(seconds=horizon)
+    counts = [0] * buckets
+    rows = conn.execute(
+        select(schedule).where(schedule.c.paused.is_(False), schedule.c.next_fire_at < end)
+        .order_by(schedule.c.next_fire_at).limit(schedules_max)).all()
+    for row in rows:
+        info = ScheduleInfo.from_row(row)
+        if info.next_fire_at is None:
+            continue
+        try:
+            fires = info.rule.fires_from(info.next_fire_at)
+        except ValidationError:
+            continue
+        for fire in fires:
+            if fire.at >= end or budget <= 0:
+                break
+            budget -= 1
+            due = fire.at + jitter_for(info.id, fire.at, info.jitter)
+            i = int((due - now).total_seconds() // width)
+            if 0 <= i < buckets:
+                counts[i] += 1
+    return counts
 
 
 # --- processes and leases -------------------------------------------------------------

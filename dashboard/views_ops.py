@@ -107,13 +107,15 @@ def schedule_page(d: Dashboard, request: Request, ref: str) -> Response:
         recent = d.app.schedules.history(conn, info.id, 20)
     assert isinstance(recent, list)
     zone = load_zone(info.timezone)
-    facts = table(["rule", "zone", "task", "queue", "policies", "jitter", "state", "version"],
+    facts = table(["rule", "zone", "task", "queue", "policies", "jitter", "state", "version",
+                   "origin"],
                   [[f"<code>{esc(info.cron)}</code>", esc(info.timezone), esc(info.task),
                     esc(info.queue),
                     esc(f"misfire {info.misfire}, overlap {info.overlap}, gap {info.gap}, "
                         f"fold {info.fold}"),
                     esc(f"{info.jitter} s"), badge("PAUSED" if info.paused else "ACTIVE"),
-                    esc(info.version)]])
+                    esc(info.version),
+                    esc("in code" if info.origin == "code" else "by hand")]])
     upcoming = ("<p class=muted>paused: nothing fires until resumed (then from the next fire "
                 "time after that moment)</p>" if info.paused else "")
     change = next_transition(zone, d.now())

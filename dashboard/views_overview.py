@@ -6,7 +6,7 @@ from duebox.inspect_status import GroupView, build_report
 
 from .charts import bar_chart, line_chart
 from .context import Dashboard
-from .queries import due_ahead, lateness_buckets
+from .queries import due_ahead, fires_ahead, lateness_buckets
 from .render import esc, link, notice, page, seconds, table
 from .web import Request, Response, route
 
@@ -37,6 +37,7 @@ def overview(d: Dashboard, request: Request) -> Response:
     with d.read("dashboard overview") as conn:
         late = lateness_buckets(conn, now)
         ahead = due_ahead(conn, now, horizon=horizon)
+        fires = fires_ahead(conn, now, horizon=horizon)
     look = {"healthy": "ok", "degraded": "warn", "unhealthy": "bad"}[report.verdict]
     verdict = f'<p class="verdict {look}">{esc(report.verdict)}</p>'
     problems = "".join(notice(p, "bad") for p in report.problems)
@@ -48,8 +49,10 @@ def overview(d: Dashboard, request: Request) -> Response:
         f"start lateness over the last hour ({d.scheme}://)",
         [f"{b.start:%H:%M}" for b in late],
         [(f"p50 {d.scheme}", [b.p50 for b in late]), (f"p99 {d.scheme}", [b.p99 for b in late])])
-    due_chart = bar_chart(f"jobs due in the next {horizon_key}",
-                          [f"{b.start:%H:%M}" for b in ahead], [b.count for b in ahead])
+    # Schedules count too: their fire times are jobs to come.
+    due_chart = bar_chart(f"jobs and schedule fire times due in the next {horizon_key}",
+                          [f"{b.start:%H:%M}" for b in ahead],
+                          [b.count + f for b, f in zip(ahead, fires, strict=True)])
     horizons = " ".join(link("/", k, ahead=k) for k in _HORIZONS)
     live = (
         f"{verdict}{problems}<p class=states>{states}{esc(capped)}</p>"

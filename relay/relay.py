@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from duebox import claims, dispatched, jobstore
+from duebox import claims, dispatched, jobstore, tracing
 from duebox.brokers.base import Broker, Outgoing, PublishingBroker, open_broker
 from duebox.config import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
@@ -120,7 +120,7 @@ class Relay:
         # (Capabilities.ordering).  asyncio.Lock wakes its waiters in order.
         self._publishing = asyncio.Lock()
         self._claims = itertools.count()
-        self.schedules = ScheduleStep(app, self.batch_size)
+        self.schedules = ScheduleStep(app, self.batch_size, process=self.name)
         self.catchup = CatchUp(app, self.batch_size)
         # Operating at scale (docs/scale.md): fair, rate-limited claims and
         # fenced shard ownership; both off unless configured.
@@ -420,7 +420,8 @@ class Relay:
         batch = [Outgoing(r.to_message(), self._held.delay(r, now)) for r in records]
         started = time.monotonic()
         try:
-            results = await self.publisher.publish(batch)
+            with tracing.publish_span([r.headers for r in records], self.backend):
+                results = await self.publisher.publish(batch)
         except Exception as exc:  # an outage, or any client's own exception
             self.scale.backpressure.observe(len(batch), time.monotonic() - started, error=True)
             self._log.warning(f"publish:{kind_of(exc)}", "publish of %d jobs failed: %s: %s",

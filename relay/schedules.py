@@ -8,7 +8,8 @@ normal claim hands them to the broker with the remaining delay and they run
 on time; a backlog (``fire_all`` after an outage) is spread over passes and
 keeps the relay from sleeping until it is done.
 
-On its first pass a relay logs what it found overdue: one-shot jobs past their
+On its first pass a relay first syncs the schedules declared in code
+(:mod:`duebox.schedule_sync`), then logs what it found overdue: one-shot jobs past their
 due time and schedules with missed fire times (the catch-up backlog).
 """
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from duebox import occurrences
 from duebox.db import SQLITE_DEFERRED, db_errors
+from duebox.schedule_sync import sync_declared
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -29,8 +31,10 @@ log = logging.getLogger("duebox.relay")
 
 
 class ScheduleStep:
-    def __init__(self, app: Duebox, batch_size: int, *, rounds: int = 4) -> None:
+    def __init__(self, app: Duebox, batch_size: int, *, rounds: int = 4,
+                 process: str = "relay") -> None:
         self.app = app
+        self.process = process
         self.batch_size = batch_size
         self.rounds = rounds
         # More occurrences are due than one pass generated: do not sleep.
@@ -38,6 +42,7 @@ class ScheduleStep:
         self.generated = 0
         self.errors = 0
         self._discovered = False
+        self._synced = False
 
     @property
     def lookahead(self) -> float:
@@ -45,6 +50,10 @@ class ScheduleStep:
 
     async def run(self) -> int:
         """Generate due occurrences; returns how many were created."""
+        if not self._synced:
+            # A database error leaves it for the next pass; a declaration the
+            # database refuses (ConfigurationError) ends the relay.
+            await asyncio.to_thread(self._sync)
         if not self._discovered:
             await asyncio.to_thread(self._discover)
         created = 0
@@ -78,6 +87,11 @@ class ScheduleStep:
                 conn, now=self.app.clock.now(), limit=self.batch_size,
                 lookahead=self.lookahead, grace=s.misfire_grace, notify=s.notify,
             )
+
+    def _sync(self) -> None:
+        with db_errors("syncing the schedules declared in code"):
+            sync_declared(self.app, f"relay {self.process}")
+        self._synced = True
 
     def _discover(self) -> None:
         s = self.app.settings

@@ -143,6 +143,17 @@ def database_url_all(request: pytest.FixtureRequest, tmp_path: object) -> str:
     return _migrated(request, tmp_path)
 
 
+@pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("mariadb", marks=pytest.mark.mariadb)])
+def server_url(request: pytest.FixtureRequest) -> str:
+    """A migrated, empty database on a server (PostgreSQL, then MariaDB): for
+    what only a server shows (its own clock, concurrent transactions)."""
+    url: str = request.getfixturevalue(
+        "pg_server_url" if request.param == "postgres" else "mariadb_server_url")
+    reset_tables(url)
+    return url
+
+
 @pytest.fixture
 def redis_keys() -> Iterator[Keys]:
     """A key prefix of this test's own on the real Redis, deleted at the end."""

@@ -301,3 +301,23 @@ class ShiftedClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
+
+
+def column_names(engine: Engine, table: str) -> set[str]:
+    return {c["name"] for c in sa.inspect(engine).get_columns(table)}
+
+
+def schema_diffs(engine: Engine, table: str) -> list[Any]:
+    """What alembic's autogenerate finds between ``duebox.metadata`` and the
+    database for ``table``: empty when a migration's head matches the code."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from duebox import migrate
+
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={
+            "version_table": migrate.VERSION_TABLE,
+            "include_name": lambda name, type_, parent: (
+                type_ != "table" or (name or "").startswith("duebox_"))})
+        return [d for d in compare_metadata(ctx, duebox.metadata) if table in repr(d)]

@@ -13,7 +13,7 @@ def test_public_names_are_pinned() -> None:
         "DatabaseClock",
         "DatabaseError", "Duebox", "DueboxError", "FailureClass", "FakeClock", "JobContext",
         "JobInfo", "JobMessage", "JobNotFoundError", "JobState", "JobStateError", "LeaseLostError",
-        "MessageDecodeError", "MissingDependencyError", "NewJob", "Permanent",
+        "MessageDecodeError", "MissingDependencyError", "NewJob", "Periodic", "Permanent",
         "PermissionDeniedError",
         "RedisDedupeStore", "Relay", "RetryPolicy", "SQLDedupeStore", "Settings", "SystemClock",
         "Task",

@@ -39,15 +39,6 @@ class LaggingClock(SystemClock):
         return super().now() - LAG
 
 
-@pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres),
-                        pytest.param("mariadb", marks=pytest.mark.mariadb)])
-def server_url(request: pytest.FixtureRequest) -> str:
-    url: str = request.getfixturevalue(
-        "pg_server_url" if request.param == "postgres" else "mariadb_server_url")
-    reset_tables(url)
-    return url
-
-
 @pytest.fixture
 def lagging_app(server_url: str) -> Iterator[duebox.Duebox]:
     app = make_app(server_url, clock=DatabaseClock(LaggingClock()))

@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from helpers import Running, attempt_rows, job_row, make_app, schedule_committed
+from helpers import (
+    Running,
+    attempt_rows,
+    column_names,
+    job_row,
+    make_app,
+    schedule_committed,
+    schema_diffs,
+)
 
 import duebox
 from duebox import RetryPolicy
@@ -143,24 +151,15 @@ def test_a_huge_traceback_is_bounded_and_keeps_both_ends() -> None:
 def test_migration_0006_adds_and_removes_the_column(database_url_all: str) -> None:
     """On SQLite, PostgreSQL and MariaDB: head matches duebox.tables; down to
     0005 drops the column (attempts keep their rows), up again restores it."""
-    import sqlalchemy as sa
     from alembic import command
-    from alembic.autogenerate import compare_metadata
-    from alembic.migration import MigrationContext
 
     from duebox import migrate
 
-    def columns(engine: sa.Engine) -> set[str]:
-        return {c["name"] for c in sa.inspect(engine).get_columns("duebox_attempt")}
+    def columns(engine: Any) -> set[str]:
+        return column_names(engine, "duebox_attempt")
 
-    def diffs(engine: sa.Engine) -> list[Any]:
-        with engine.connect() as conn:
-            ctx = MigrationContext.configure(conn, opts={
-                "version_table": migrate.VERSION_TABLE,
-                "include_name": lambda name, type_, parent: (
-                    type_ != "table" or (name or "").startswith("duebox_"))})
-            return [d for d in compare_metadata(ctx, duebox.metadata)
-                    if "duebox_attempt" in repr(d)]
+    def diffs(engine: Any) -> list[Any]:
+        return schema_diffs(engine, "duebox_attempt")
 
     engine = duebox.Duebox(database_url=database_url_all).engine
     try:

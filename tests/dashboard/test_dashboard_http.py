@@ -35,7 +35,7 @@ def test_every_page_renders_the_seeded_jobs(sqlite_seeded: Seeded, serve: Serve)
     assert "reports" in overview.text
     assert "acme-0" in overview.text
     assert "<svg" in overview.text
-    assert "jobs due in the next 6h" in overview.text
+    assert "jobs and schedule fire times due in the next 6h" in overview.text
     assert 'data-refresh="2"' in overview.text
     assert "http://" not in overview.text.replace(c.base, ""), "an external URL in the page"
     found = c.get("/jobs?q=order-1")

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 import duebox
+from duebox.schedule_put import PutResult
 from duebox.schedules import DeleteResult, ScheduleInfo
 
 app = duebox.Duebox(database_url="postgresql+psycopg://localhost/shop", broker_url="sql://")
@@ -89,6 +90,10 @@ def schedules_sync(session: Session) -> None:
     assert_type(app.schedules.resume(session, "daily-report"), datetime | None)
     assert_type(app.schedules.history(session, "daily-report"), list[Row[Any]])
     assert_type(app.schedules.delete(session, "daily-report"), DeleteResult)
+    done = app.schedules.put(session, "daily-report", "send-report", "0 8 * * *",
+                             timezone="Europe/Berlin", operator="deploy", reason="release")
+    assert_type(done, PutResult)
+    assert_type(done.changed, tuple[str, ...])
 
 
 async def schedules_async(session: AsyncSession) -> None:
@@ -101,6 +106,19 @@ async def schedules_async(session: AsyncSession) -> None:
     assert_type(await app.schedules.history(session, "nightly", 5), list[Row[Any]])
     assert_type(await app.schedules.delete(session, "nightly", cancel_pending=False),
                 DeleteResult)
+    assert_type(await app.schedules.put(session, "nightly", "send-report", "30 3 * * *"),
+                PutResult)
+
+
+@app.task("morning-digest", schedule="0 9 * * *", timezone="Europe/Berlin")
+def morning_digest(payload: None, ctx: duebox.JobContext) -> None:
+    return None
+
+
+@app.task("sync-prices", schedule=[duebox.Periodic("*/15 * * * *", name="prices-eu",
+                                                   payload={"region": "eu"})])
+async def sync_prices(payload: dict[str, str], ctx: duebox.JobContext) -> None:
+    return None
 
 
 async def run_in_process() -> None:
