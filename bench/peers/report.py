@@ -40,7 +40,9 @@ def one_line(res: dict[str, Any]) -> str:
     parts = []
     a = res.get("A", {})
     parts.append(f"A {a['error']}" if "error" in a else
-                 f"A enqueue {a['enqueue_rate']:,.0f}/s process {a['process_rate']:,.0f}/s")
+                 f"A enqueue {a['enqueue_rate']:,.0f}/s process {a['process_rate']:,.0f}/s"
+                 + ("" if "cpu" not in a else
+                    " cpu/job ms: " + " ".join(f"{k[:-3]} {v:.2f}" for k, v in a["cpu"].items())))
     for key in ("B", "B_aggr"):
         b = res.get(key)
         if b is None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import record
+from cpu import CpuMeter
 from resources import environment
 from systems import System
 
@@ -134,8 +135,12 @@ def throughput(system: System, ctx: Context, n: int, label: str) -> dict[str, ob
             enq = _run(system, env, "enqueue", "--n", str(n))
             spawned = time.time()
             procs = Processes(system, env, ctx, label)
+            meter = CpuMeter(system.broker, env["BENCH_PG_URL"],
+                             {name: p.pid for name, p in procs.procs})
             try:
+                meter.start()
                 _wait(rec, n, procs, timeout=max(300.0, n / 30))
+                meter.stop()
             finally:
                 procs.stop()
         starts = sorted(s for _, s in record.read(rec))
@@ -144,7 +149,8 @@ def throughput(system: System, ctx: Context, n: int, label: str) -> dict[str, ob
     return {"enqueue_rate": n / float(enq["seconds"]),  # type: ignore[arg-type]
             "enqueue_how": enq["how"],
             "process_rate": (n - 1) / (starts[-1] - starts[0]),
-            "spawn_to_done_s": starts[-1] - spawned, "ran": len(starts)}
+            "spawn_to_done_s": starts[-1] - spawned, "ran": len(starts),
+            "cpu": meter.per_job(n)}
 
 
 def lateness(system: System, ctx: Context, n: int, aggressive: bool, label: str,
