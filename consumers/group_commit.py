@@ -57,7 +57,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -65,10 +65,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from duebox import jobstore
+from duebox import jobstore, unstarted
 from duebox.clock import Clock, wait_until
 from duebox.db import db_errors
 from duebox.failures import error_line
+from duebox.message import JobMessage
 from duebox.states import LeaseVerdict
 from duebox.tasks import Task
 
@@ -103,7 +104,8 @@ def group_commit_budget() -> float:
 class _Item:
     task: Task
     rec: jobstore.JobRecord
-    future: asyncio.Future[Outcome]
+    # None for the batch lane's items, which nobody awaits one by one.
+    future: asyncio.Future[Outcome] | None
     leased: datetime | None = None
     started: datetime | None = field(default=None)
     # Handed over before its due time: its lease is read again and the
@@ -111,6 +113,13 @@ class _Item:
     early: bool = False
     # Its handler was called in a group's transaction (which may then be lost).
     ran: bool = False
+    # From the batch lane: locked, never started (core/unstarted.py).
+    unstarted: bool = False
+
+
+def _settle(item: _Item, outcome: Outcome) -> None:
+    if item.future is not None and not item.future.done():
+        item.future.set_result(outcome)
 
 
 class _GroupLost(Exception):
@@ -179,6 +188,8 @@ class Executors:
         # Handler seconds per job, smoothed (None: none ran yet).
         self.pace: float | None = None
         self._renewer: asyncio.Task[None] | None = None
+        # Called when an executor may be free for the batch lane.
+        self.on_free: Callable[[], None] = lambda: None
 
     def groups(self, task: Task) -> bool:
         return (self.group > 1 and task.group_commit and task.timeout is None
@@ -193,8 +204,8 @@ class Executors:
         ``early``: handed over before its due time (a sync handler on a clock
         that follows real time): read again and held to the due time in the
         executor thread, whether alone or in a group."""
-        item = _Item(task, rec, asyncio.get_running_loop().create_future(), leased,
-                     early=early)
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        item = _Item(task, rec, future, leased, early=early)
         if not self._pending and self._active < self.count:
             # An executor is free and nobody waits: run it in the caller's
             # task rather than one of its own.
@@ -204,15 +215,32 @@ class Executors:
             finally:
                 self._active -= 1
                 self._dispatch()
-            return item.future.result(), item.started or self.app.clock.now()
+            return future.result(), item.started or self.app.clock.now()
         self._pending.append(item)
         self._dispatch()
         if self._pending and (self._renewer is None or self._renewer.done()):
             self._renewer = asyncio.create_task(self._renew_waiting())
-        outcome = await item.future
+        outcome = await future
         return outcome, item.started or self.app.clock.now()
 
+    def take_slot(self) -> bool:
+        """An executor for the batch lane, if one is free and no started job
+        waits for one (those hold leases: they go first)."""
+        if self._pending or self._active >= self.count:
+            return False
+        self._active += 1
+        return True
+
+    def give_slot(self) -> None:
+        self._active -= 1
+        self._dispatch()
+
     def _dispatch(self) -> None:
+        self._dispatch_waiting()
+        if not self._pending and self._active < self.count:
+            self.on_free()
+
+    def _dispatch_waiting(self) -> None:
         while self._pending and self._active < self.count:
             items = [self._pending.popleft()]
             if self.groups(items[0].task) and self._groupable_waiting() >= _GROUP_LEAST:
@@ -250,8 +278,7 @@ class Executors:
                 return
             self.on_group(len(items) - len(unrun))
             for item, outcome in done:
-                if not item.future.done():
-                    item.future.set_result(outcome)
+                _settle(item, outcome)
             self._pending.extendleft(reversed(unrun))
         finally:
             self._active -= 1
@@ -273,8 +300,7 @@ class Executors:
         waiting = list(self._pending)
         self._pending.clear()
         for item in waiting:
-            if not item.future.done():
-                item.future.set_result(Outcome(RunStatus.RELEASED))
+            _settle(item, Outcome(RunStatus.RELEASED))
         return [item.rec for item in waiting]
 
     def _paced(self, seconds: float) -> None:
@@ -324,56 +350,107 @@ class Executors:
                 outcome = await execution.run()
                 item.started = execution.started or item.started
         except Exception as exc:
-            if not item.future.done():
+            if item.future is not None and not item.future.done():
                 item.future.set_exception(exc)
             return
-        if not item.future.done():
-            item.future.set_result(outcome)
+        _settle(item, outcome)
 
     # --- in an executor thread ----------------------------------------------------
 
     def _run_group(self, items: list[_Item]) -> tuple[list[tuple[_Item, Outcome]], list[_Item]]:
+        with db_errors("group commit"), Session(self.app.engine) as session, session.begin():
+            conn = session.connection()
+            fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items],
+                                           self.app.clock.now())
+            leases = jobstore.lock_leased(conn, [i.rec for i in items])
+            return self._run_locked(session, conn, items, leases, fresh)
+
+    def run_unstarted(self, entries: Sequence[tuple[JobMessage, Task]], owner: str
+                      ) -> tuple[list[tuple[int, jobstore.JobRecord, Outcome, datetime]],
+                                 list[int]]:
+        """The batch lane (consumers/lane.py), in an executor thread: the jobs
+        of ``entries`` (deliveries due now, in arrival order) locked, run and
+        completed in one transaction, with no start transaction before it
+        (core/unstarted.py).  Returns ``(index, record, outcome, handler
+        start)`` of each entry settled here, and the indexes of those left
+        unrun (the group's budget ran out); any other entry takes the
+        worker's usual path."""
+        clock = self.app.clock
+        with db_errors("batch lane"), Session(self.app.engine) as session, session.begin():
+            conn = session.connection()
+            locked = unstarted.lock_startable(conn, [m for m, _ in entries], clock.now(), owner)
+            items: list[_Item] = []
+            index: dict[int, int] = {}  # id(item) → its entry
+            for i, (message, task) in enumerate(entries):
+                rec = locked.pop(message.job_id, None)  # a second copy takes the usual path
+                if rec is not None:
+                    items.append(_Item(task, rec, None, unstarted=True))
+                    index[id(items[-1])] = i
+            if not items:
+                return [], []
+            fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items], clock.now())
+            held = dict.fromkeys((i.rec.id for i in items), LeaseVerdict.HELD)
+            try:
+                done, unrun = self._run_locked(session, conn, items, held, fresh)
+            except BaseException as exc:
+                # Rolled back as a whole; the lane sends every delivery the
+                # usual way, so a handler that ran here runs a second time.
+                ran = sum(item.ran for item in items)
+                if ran:
+                    self.on_rerun(ran)
+                    log.warning("a batch of %d jobs was rolled back after %d of its handlers "
+                                "ran (%s): each runs again alone, those %d handlers a second "
+                                "time", len(items), ran, exc, ran)
+                raise
+        return ([(index[id(item)], item.rec, outcome, item.started or clock.now())
+                 for item, outcome in done], [index[id(item)] for item in unrun])
+
+    def _run_locked(self, session: Session, conn: Connection, items: list[_Item],
+                    leases: dict[uuid.UUID, LeaseVerdict], fresh: set[str]
+                    ) -> tuple[list[tuple[_Item, Outcome]], list[_Item]]:
+        """Run the handlers of a group whose rows are locked (``leases``: which
+        are still this worker's) and complete those that succeeded."""
         clock = self.app.clock
         done: list[tuple[_Item, Outcome]] = []
         unrun: list[_Item] = []
-        with db_errors("group commit"), Session(self.app.engine) as session, session.begin():
-            conn = session.connection()
-            fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items], clock.now())
-            leases = jobstore.lock_leased(conn, [i.rec for i in items])
-            forget: list[str] = []
-            succeeded: list[_Item] = []
-            duplicates: list[_Item] = []
-            began = time.monotonic()
-            for item in items:
-                message_id = str(item.rec.id)
-                lease = leases[item.rec.id]
-                if lease is not LeaseVerdict.HELD:
-                    if message_id in fresh:
-                        forget.append(message_id)
-                    done.append((item, Outcome(RunStatus.CANCELLED
-                                               if lease is LeaseVerdict.CANCELLED
-                                               else RunStatus.LEASE_LOST)))
-                elif message_id not in fresh:
-                    duplicates.append(item)
-                elif (succeeded or done) and time.monotonic() - began > _BUDGET:
+        forget: list[str] = []
+        succeeded: list[_Item] = []
+        duplicates: list[_Item] = []
+        began = time.monotonic()
+        for item in items:
+            message_id = str(item.rec.id)
+            lease = leases[item.rec.id]
+            if lease is not LeaseVerdict.HELD:
+                if message_id in fresh:
                     forget.append(message_id)
-                    unrun.append(item)
+                done.append((item, Outcome(RunStatus.CANCELLED
+                                           if lease is LeaseVerdict.CANCELLED
+                                           else RunStatus.LEASE_LOST)))
+            elif message_id not in fresh:
+                duplicates.append(item)
+            elif (succeeded or done) and time.monotonic() - began > _BUDGET:
+                forget.append(message_id)
+                unrun.append(item)
+            else:
+                failed = self._run_one(session, conn, item)
+                if failed is None:
+                    succeeded.append(item)
                 else:
-                    failed = self._run_one(session, conn, item)
-                    if failed is None:
-                        succeeded.append(item)
-                    else:
-                        forget.append(message_id)
-                        done.append((item, failed))
-            now = clock.now()
-            self.dedupe.forget_many(conn, forget)
-            if succeeded and not self.dedupe.still_claimed(
-                    conn, [str(i.rec.id) for i in succeeded]):
-                # MySQL/MariaDB: the transaction was rolled back under the
-                # handlers (a deadlock error a handler swallowed) and the
-                # statements since ran in a new one: committing it would
-                # complete jobs whose writes are gone.
-                raise _GroupLost(RuntimeError("the group's dedupe rows are gone"))
+                    forget.append(message_id)
+                    done.append((item, failed))
+        now = clock.now()
+        self.dedupe.forget_many(conn, forget)
+        if succeeded and not self.dedupe.still_claimed(
+                conn, [str(i.rec.id) for i in succeeded]):
+            # MySQL/MariaDB: the transaction was rolled back under the
+            # handlers (a deadlock error a handler swallowed) and the
+            # statements since ran in a new one: committing it would
+            # complete jobs whose writes are gone.
+            raise _GroupLost(RuntimeError("the group's dedupe rows are gone"))
+        if items and items[0].unstarted:
+            unstarted.finish(conn, [(i.rec, i.started or now, "succeeded") for i in succeeded]
+                             + [(i.rec, now, "duplicate") for i in duplicates], now, self.worker)
+        else:
             jobstore.complete_locked(conn, [i.rec for i in succeeded], "succeeded", now)
             jobstore.complete_locked(conn, [i.rec for i in duplicates], "duplicate", now)
         done += [(i, Outcome(RunStatus.SUCCEEDED)) for i in succeeded]
@@ -412,6 +489,10 @@ class Executors:
                 # writes of the handlers before this one.
                 raise _GroupLost(exc) from lost
             verdict = item.task.classifier.classify(exc)
+            if item.unstarted:  # recorded as every failure is: on a started job
+                item.rec = control.rec = unstarted.start_one(
+                    conn, item.rec, item.started or clock.now(), clock.now(),
+                    self.app.settings.lease_seconds, self.worker)
             if control.saved is not _UNSET:
                 control.write()
             return record_failure(conn, item.task, item.rec, verdict, error_line(exc),

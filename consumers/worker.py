@@ -54,6 +54,7 @@ from duebox.timing import EARLY_HOLD, EXECUTOR_HOLD_MOST, REREAD_LEAD
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
+from .lane import Lane
 from .starts import Starts
 from .turns import Turn, Turns
 
@@ -87,6 +88,7 @@ class WorkerStats:
     lease_lost: int = 0
     deferred: int = 0
     grouped: int = 0  # jobs run in a group-commit transaction with others
+    laned: int = 0  # jobs run by the batch lane (consumers/lane.py)
     # Handlers called a second time because their group's transaction was
     # lost after they ran (consumers/group_commit.py says when that happens).
     reran: int = 0
@@ -131,6 +133,12 @@ class Worker:
         self.prefetch = self.concurrency * (1 + min(3, self.group_commit - 1))
         self._in_hand = 0
         self._turns = Turns()  # handlers of one ordering key start in arrival order
+        # Due deliveries of groupable tasks, run in batches (consumers/lane.py).
+        self.lane = (Lane(self.name, self.broker, app.tasks, self.executors, lambda: self.pools,
+                          self.group_commit, usual=lambda d: self._spawn(d, None),
+                          settle=self._settled, done=self._left)
+                     if Lane.enabled(self.broker, app.engine.dialect.name, self.concurrency,
+                                     self.group_commit) else None)
         self._room = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics or process_metrics()
@@ -185,6 +193,8 @@ class Worker:
             if waiting:
                 with contextlib.suppress(DatabaseError):
                     await self.pools.db(self._give_back, waiting)
+            if self.lane is not None:  # due jobs, never started: run now
+                await self.lane.drain()
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.heartbeat.stop(beating)
@@ -226,11 +236,11 @@ class Worker:
                         await self._room.wait()
                     self._in_hand += 1
                     self._log.flush()  # counts of errors that stopped a while ago
+                    if self.lane is not None and self.lane.take(delivery, self.app.clock.now()):
+                        continue
                     turn = None if delivery.message is None else self._turns.take(
                         "" if self.concurrency == 1 else delivery.message.ordering_key())
-                    t = asyncio.create_task(self._guarded(delivery, turn))
-                    self._tasks.add(t)
-                    t.add_done_callback(self._tasks.discard)
+                    self._spawn(delivery, turn)
                 backoff = 0.1
             except ConfigurationError:
                 raise
@@ -241,6 +251,16 @@ class Worker:
                                   exc_info=not isinstance(exc, DueboxError))
                 await asyncio.sleep(wait)
                 backoff = min(backoff * 2, 10.0)
+
+    def _spawn(self, delivery: Delivery, turn: Turn | None) -> None:
+        t = asyncio.create_task(self._guarded(delivery, turn))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _left(self, deliveries: int) -> None:
+        """That many deliveries left the worker's hands: room for more."""
+        self._in_hand -= deliveries
+        self._room.set()
 
     async def _guarded(self, delivery: Delivery, turn: Turn | None = None) -> None:
         try:
@@ -260,8 +280,7 @@ class Worker:
         finally:
             if turn is not None:
                 turn.pass_on()
-            self._in_hand -= 1
-            self._room.set()
+            self._left(1)
 
     # --- one delivery ----------------------------------------------------------
 
@@ -437,6 +456,17 @@ class Worker:
             outcome, started = await self.executors.run(task, rec, leased, early=early)
             tracing.outcome(span, outcome.status, None if outcome.failure_class is None
                             else str(outcome.failure_class))
+        self._account(rec, outcome, started)
+
+    def _settled(self, delivery: Delivery, rec: jobstore.JobRecord, outcome: Outcome,
+                 started: datetime) -> None:
+        """A delivery the batch lane ran."""
+        self.stats.received += 1
+        self.stats.laned += 1
+        self._received.inc()
+        self._account(rec, outcome, started)
+
+    def _account(self, rec: jobstore.JobRecord, outcome: Outcome, started: datetime) -> None:
         if outcome.status is RunStatus.RELEASED:  # stopping: given back, never started
             return
         if outcome.status is RunStatus.CANCELLED:  # seen under the group's lock, before it ran
