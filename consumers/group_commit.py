@@ -69,7 +69,7 @@ from duebox import jobstore, unstarted
 from duebox.clock import Clock, wait_until
 from duebox.db import db_errors
 from duebox.failures import error_line
-from duebox.message import JobMessage
+from duebox.message import JobMessage, stored_payload_ok
 from duebox.states import LeaseVerdict
 from duebox.tasks import Task
 
@@ -115,6 +115,11 @@ class _Item:
     ran: bool = False
     # From the batch lane: locked, never started (core/unstarted.py).
     unstarted: bool = False
+
+
+# One job the batch lane settled: its entry's index, record, outcome and
+# handler start.
+LaneResult = tuple[int, jobstore.JobRecord, Outcome, datetime]
 
 
 def _settle(item: _Item, outcome: Outcome) -> None:
@@ -365,44 +370,69 @@ class Executors:
             leases = jobstore.lock_leased(conn, [i.rec for i in items])
             return self._run_locked(session, conn, items, leases, fresh)
 
+    # --- the batch lane (consumers/lane.py), in an executor thread ---------------
+    # Each returns ``(index, record, outcome, handler start)`` of every entry
+    # settled here and the indexes of those left unrun (the group's budget ran
+    # out); any other entry takes the worker's usual path.  Raises when the
+    # transaction was lost: then every entry takes the usual path.
+
     def run_unstarted(self, entries: Sequence[tuple[JobMessage, Task]], owner: str
-                      ) -> tuple[list[tuple[int, jobstore.JobRecord, Outcome, datetime]],
-                                 list[int]]:
-        """The batch lane (consumers/lane.py), in an executor thread: the jobs
-        of ``entries`` (deliveries due now, in arrival order) locked, run and
-        completed in one transaction, with no start transaction before it
-        (core/unstarted.py).  Returns ``(index, record, outcome, handler
-        start)`` of each entry settled here, and the indexes of those left
-        unrun (the group's budget ran out); any other entry takes the
-        worker's usual path."""
+                      ) -> tuple[list[LaneResult], list[int]]:
+        """Deliveries due now, in arrival order, whose jobs were never started:
+        locked, run and completed in one transaction, with no start
+        transaction before it (core/unstarted.py)."""
         clock = self.app.clock
-        with db_errors("batch lane"), Session(self.app.engine) as session, session.begin():
-            conn = session.connection()
-            locked = unstarted.lock_startable(conn, [m for m, _ in entries], clock.now(), owner)
-            items: list[_Item] = []
-            index: dict[int, int] = {}  # id(item) → its entry
-            for i, (message, task) in enumerate(entries):
-                rec = locked.pop(message.job_id, None)  # a second copy takes the usual path
-                if rec is not None:
-                    items.append(_Item(task, rec, None, unstarted=True))
-                    index[id(items[-1])] = i
-            if not items:
-                return [], []
-            fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items], clock.now())
-            held = dict.fromkeys((i.rec.id for i in items), LeaseVerdict.HELD)
-            try:
+        items: list[_Item] = []
+        index: dict[int, int] = {}  # id(item) → its entry
+        try:
+            with db_errors("batch lane"), Session(self.app.engine) as session, session.begin():
+                conn = session.connection()
+                locked = unstarted.lock_startable(conn, [m for m, _ in entries], clock.now(),
+                                                  owner)
+                for i, (message, task) in enumerate(entries):
+                    # A second copy of a message, or a payload stored undecodable:
+                    # the usual path (which discards or dead-letters it).
+                    rec = locked.pop(message.job_id, None)
+                    if rec is not None and stored_payload_ok(rec):
+                        items.append(_Item(task, rec, None, unstarted=True))
+                        index[id(items[-1])] = i
+                if not items:
+                    return [], []
+                fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items],
+                                               clock.now())
+                held = dict.fromkeys((i.rec.id for i in items), LeaseVerdict.HELD)
                 done, unrun = self._run_locked(session, conn, items, held, fresh)
-            except BaseException as exc:
-                # Rolled back as a whole; the lane sends every delivery the
-                # usual way, so a handler that ran here runs a second time.
-                ran = sum(item.ran for item in items)
-                if ran:
-                    self.on_rerun(ran)
-                    log.warning("a batch of %d jobs was rolled back after %d of its handlers "
-                                "ran (%s): each runs again alone, those %d handlers a second "
-                                "time", len(items), ran, exc, ran)
-                raise
-        return ([(index[id(item)], item.rec, outcome, item.started or clock.now())
+        except BaseException as exc:
+            self._lost(items, exc)
+            raise
+        return self._lane_results(index, done, unrun)
+
+    def run_claimed(self, entries: Sequence[tuple[jobstore.JobRecord, Task, datetime | None]]
+                    ) -> tuple[list[LaneResult], list[int]]:
+        """Deliveries due now whose jobs their backend claimed (``sql://``):
+        run as one group (their leases checked under the group's lock)."""
+        items = [_Item(task, rec, None, leased) for rec, task, leased in entries]
+        try:
+            done, unrun = self._run_group(items)
+        except BaseException as exc:
+            self._lost(items, exc)
+            raise
+        return self._lane_results({id(item): i for i, item in enumerate(items)}, done, unrun)
+
+    def _lost(self, items: list[_Item], exc: BaseException) -> None:
+        """Rolled back as a whole: every delivery goes the usual way, so a
+        handler that ran here runs a second time (see the module notes)."""
+        ran = sum(item.ran for item in items)
+        if ran:
+            self.on_rerun(ran)
+            log.warning("a batch of %d jobs was rolled back after %d of its handlers ran "
+                        "(%s): each runs again alone, those %d handlers a second time",
+                        len(items), ran, exc, ran)
+
+    def _lane_results(self, index: dict[int, int], done: list[tuple[_Item, Outcome]],
+                      unrun: list[_Item]) -> tuple[list[LaneResult], list[int]]:
+        now = self.app.clock.now()
+        return ([(index[id(item)], item.rec, outcome, item.started or now)
                  for item, outcome in done], [index[id(item)] for item in unrun])
 
     def _run_locked(self, session: Session, conn: Connection, items: list[_Item],

@@ -38,11 +38,11 @@ from datetime import datetime
 from duebox import jobstore, tracing
 from duebox.brokers.base import Broker, Delivery
 from duebox.logs import CollapsedLog, kind_of
-from duebox.message import ORDERING_KEY_HEADER, JobMessage
+from duebox.message import ORDERING_KEY_HEADER, JobMessage, stored_payload_ok
 from duebox.tasks import Task
 
 from .execution import Outcome, Pools
-from .group_commit import Executors
+from .group_commit import Executors, group_commit_budget
 
 log = logging.getLogger("duebox.worker")
 
@@ -78,6 +78,7 @@ class Lane:
         self._waiting: deque[_Entry] = deque()
         self._scheduled = False
         self._running: set[asyncio.Task[None]] = set()
+        self._active = 0  # batches running
         self._seq = itertools.count()
         self._log = CollapsedLog(log)
         self._freed = asyncio.Event()
@@ -94,10 +95,11 @@ class Lane:
     def take(self, delivery: Delivery, now: datetime) -> bool:
         """Take the delivery into the lane if it qualifies (see the module
         notes); False: it goes the usual way."""
-        msg = delivery.message
-        if (msg is None or delivery.claimed is not None or msg.due_at > now
-                or tracing.enabled()):  # spans come from the usual path
+        msg, rec = delivery.message, delivery.claimed
+        if msg is None or msg.due_at > now or tracing.enabled():  # spans: the usual path
             return False
+        if rec is not None and (rec.expired(now) or not stored_payload_ok(rec)):
+            return False  # the usual path expires it or dead-letters it
         task = self.tasks.get(msg.task)
         if (task is None or not self.executors.groups(task)
                 or (msg.headers and msg.headers.get(ORDERING_KEY_HEADER) not in (None, ""))):
@@ -117,25 +119,48 @@ class Lane:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def _most_at_once(self) -> int:
+        """Batches to run at once.  Short handlers: two — one runs while the
+        next fills — so deliveries gather into large batches instead of each
+        taking an executor and a transaction of its own.  Handlers too slow
+        for a full batch within the group budget: as many as executors."""
+        pace = self.executors.pace
+        if pace is None or pace * self.group <= group_commit_budget():
+            return 2
+        return self.executors.count
+
     def _flush(self) -> None:
         self._scheduled = False
-        while self._waiting and self.executors.take_slot():
-            batch = [self._waiting.popleft()
-                     for _ in range(min(self.group, len(self._waiting)))]
+        while (self._waiting and self._active < self._most_at_once()
+               and self.executors.take_slot()):
+            self._active += 1
+            # Claimed and unclaimed deliveries (one backend gives one kind)
+            # take different statements: a batch is of one kind.
+            claimed = self._waiting[0].delivery.claimed is not None
+            batch: list[_Entry] = []
+            while (self._waiting and len(batch) < self.group
+                   and (self._waiting[0].delivery.claimed is not None) == claimed):
+                batch.append(self._waiting.popleft())
             t = asyncio.create_task(self._run(batch))
             self._running.add(t)
             t.add_done_callback(self._running.discard)
 
     async def _run(self, batch: list[_Entry]) -> None:
-        owner = f"{self.name}#lane{next(self._seq)}"
         try:
-            settled, unrun = await self.pools().handler(
-                self.executors.run_unstarted, [(e.message, e.task) for e in batch], owner)
+            if batch[0].delivery.claimed is not None:
+                settled, unrun = await self.pools().handler(
+                    self.executors.run_claimed,
+                    [(e.delivery.claimed, e.task, e.delivery.claimed_at) for e in batch])
+            else:
+                settled, unrun = await self.pools().handler(
+                    self.executors.run_unstarted, [(e.message, e.task) for e in batch],
+                    f"{self.name}#lane{next(self._seq)}")
         except Exception as exc:  # nothing of it happened: every entry the usual way
             self._log.warning(f"lane:{kind_of(exc)}", "a batch of %d jobs failed (%s: %s); "
                               "each goes the usual way", len(batch), type(exc).__name__, exc)
             settled, unrun = [], []
         finally:
+            self._active -= 1
             self.executors.give_slot()
         handled = {i for i, *_ in settled}
         for i in reversed(unrun):  # still due: first in line again

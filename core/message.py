@@ -125,6 +125,11 @@ def check_stored_payload(payload: object) -> None:
             f"{STORED_MAX_DEPTH} levels deep)", str(payload)[:100])
 
 
+def stored_payload_ok(rec: Any) -> bool:
+    """Whether a job record's stored payload decoded (see check_stored_payload)."""
+    return not isinstance(rec.payload, UndecodableJSON)
+
+
 # A job header naming the ordering key: without it the job id is used, so
 # there is no order between jobs (JobMessage.ordering_key).
 ORDERING_KEY_HEADER = "ordering_key"

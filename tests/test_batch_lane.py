@@ -58,9 +58,12 @@ def _schedule_due(app: duebox.Duebox, n: int, task: str = "effect",
                 for i in range(n)]
 
 
-async def test_a_backlog_runs_in_the_lane_each_job_once(server_url: str,
-                                                        redis_keys: Keys) -> None:
-    app = _app(server_url, redis_keys)
+@pytest.mark.parametrize("broker", ["redis", "sql"])
+async def test_a_backlog_runs_in_the_lane_each_job_once(server_url: str, redis_keys: Keys,
+                                                        broker: str) -> None:
+    """On a broker the lane starts nothing before it runs; on ``sql://`` the
+    backend claimed the jobs and the lane runs them as groups."""
+    app = make_app(server_url, redis_keys.url() if broker == "redis" else "sql://")
     ids = _schedule_due(app, 120)
     async with Running(app, relays=1, workers=1, concurrency=4) as r:
         assert r.workers[0].lane is not None

@@ -160,7 +160,8 @@ def _summaries(pdir: Path) -> dict[str, Any]:
 def profile_pass(systems: list[System], ctx: workloads.Context, n: int,
                  logs: Path) -> dict[str, Any]:
     """Workload A once more for duebox on sql:// and one broker, under py-spy."""
-    wanted = [s for s in systems if s.name in ("duebox-sql", "duebox-redis")]
+    wanted = [s for s in systems if s.name in ("duebox-sql", "duebox-redis")] or [
+        s for s in systems if s.is_duebox]  # --only another duebox backend: that one
     out: dict[str, Any] = {}
     shutil.rmtree(PROFILES, ignore_errors=True)
     for s in wanted:
