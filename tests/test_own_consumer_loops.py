@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 from backends import REDIS, KafkaNames, Queues
-from helpers import Running, make_app, schedule_committed
+from helpers import Running, make_app, schedule_committed, wait_for
 
 import duebox
 from duebox import DUPLICATE, SQLDedupeStore
@@ -143,17 +142,18 @@ async def _scenario(app: duebox.Duebox, mailer: Mailer,
             return (all(s[e] == "SUCCEEDED" for e in emails) and s[notify] == "DELIVERED"
                     and len(mailer.answers) == 4)
 
-        await _wait(done, check, 30, "every job handled")
+        await wait_for(done, timeout=30, what="every job handled", check=check)
         first = next(c for c in mailer.copies if c[0]["duebox-task"] == "send_email")
         for headers, body in _forged(*first):
             await asyncio.to_thread(forge, headers, body)
-        await _wait(lambda: len(mailer.answers) == 6, check, 30, "the forged copies answered")
+        await wait_for(lambda: len(mailer.answers) == 6, timeout=30,
+                       what="the forged copies answered", check=check)
         # Well past redeliver_after, with recovery and reconciliation passes
         # meanwhile: nothing goes out again.
         until = time.monotonic() + 6 * REDELIVER_AFTER
         passes = relay.totals.passes
-        await _wait(lambda: time.monotonic() > until and relay.totals.passes > passes + 10,
-                    check, 30, "relay passes after redeliver_after")
+        await wait_for(lambda: time.monotonic() > until and relay.totals.passes > passes + 10,
+                       timeout=30, what="relay passes after redeliver_after", check=check)
         await asyncio.sleep(0)
         totals = relay.totals
         assert (totals.published, totals.recovered, totals.reconciled) == (4, 0, 0)
@@ -165,16 +165,6 @@ async def _scenario(app: duebox.Duebox, mailer: Mailer,
         rows = conn.execute(sa.select(sent)).all()
     assert sorted(r.job_id for r in rows) == sorted(str(e) for e in emails)
     assert all(r.sent_at_us >= r.due_at_us for r in rows)  # never before due
-
-
-async def _wait(predicate: Callable[[], Any], check: Callable[[], None], timeout: float,
-                what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(predicate):
-        check()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @contextlib.contextmanager
