@@ -329,3 +329,42 @@ def test_status_command_and_jobs_show(app: duebox.Duebox, monkeypatch: pytest.Mo
     assert "delivered: handed over" in shown.output, shown.output
     listed = runner.invoke(cli, ["jobs", "list", "--state", "delivered"])
     assert str(msg.job_id)[:8] in listed.output, listed.output
+
+
+# --- duebox broker declare | names -----------------------------------------------------
+
+
+def test_broker_declare_creates_the_queue_a_consumer_looks_for(
+        amqp_vhost: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pika
+    import pika.exceptions
+
+    queue = f"emails{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("DUEBOX_BROKER_URL", amqp_vhost)
+    monkeypatch.setenv("DUEBOX_OWN_CONSUMER_QUEUES", queue)
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_vhost))
+    try:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+            conn.channel().queue_declare(f"duebox.q.{queue}", passive=True)
+        assert err.value.reply_code == 404  # what a consumer started first met
+        runner = CliRunner()
+        names = runner.invoke(cli, ["broker", "names"])
+        assert names.output == f"{queue}\tduebox.q.{queue}\n", names.output
+        for _ in range(2):  # idempotent
+            result = runner.invoke(cli, ["broker", "declare"])
+            assert result.exit_code == 0, result.output
+            assert result.output == f"{queue}\tduebox.q.{queue}\n"
+        conn.channel().queue_declare(f"duebox.q.{queue}", passive=True)  # there now
+    finally:
+        conn.close()
+    monkeypatch.delenv("DUEBOX_OWN_CONSUMER_QUEUES")
+    refused = CliRunner().invoke(cli, ["broker", "declare", "--queue", "x",
+                                       "--broker-url", "sql://"])
+    assert refused.exit_code == 1
+    assert "sql:// keeps queue 'x' to itself" in refused.output
+
+
+def test_a_duebox_worker_discards_a_delivered_jobs_message() -> None:
+    from duebox.states import Discard
+
+    assert Discard.already(JobState.DELIVERED) is Discard.ALREADY_DELIVERED
