@@ -209,6 +209,16 @@ class AMQPBroker(PublishingBroker):
             self._declared.add(name)
         return errors
 
+    def queue_name(self, queue: str) -> str:
+        check_queue_name(self.topology, queue)
+        return self.topology.queue(queue)
+
+    async def declare(self, queues: Sequence[str]) -> list[str]:
+        errors = await self.declare_queues(queues)
+        for error in errors.values():
+            raise error
+        return [self.queue_name(q) for q in queues]
+
     async def _publishing(self) -> Publisher:
         link = await self._connected()
         pub = self._publisher

@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
-from duebox.errors import BrokerError, MessageDecodeError
+from duebox.errors import BrokerError, ConfigurationError, MessageDecodeError
 from duebox.message import JobMessage
 from duebox.registry import effective_max_delay
 from duebox.seam import (
@@ -179,6 +179,29 @@ class Broker(abc.ABC):
         """What a worker's registry row should say about its consumer, for a
         peer's :meth:`take_over` after its death (Kafka: its group member id)."""
         return {}
+
+    # --- for consumers of your own (docs/own-consumers.md) -----------------------
+
+    def queue_name(self, queue: str) -> str:
+        """The name under which this broker holds ``queue``'s messages: the
+        queue, topic or stream a consumer of your own reads (no network
+        call).  The default: a backend with no queue outside duebox."""
+        raise ConfigurationError(
+            f"broker_url: {self.capabilities.name}:// keeps queue {queue!r} to itself; "
+            "a consumer of your own needs amqp://, sqs://, kafka:// or redis://")
+
+    async def declare(self, queues: Sequence[str]) -> list[str]:
+        """Create what ``queues`` need on the broker now, as the relay's first
+        publish would, so a consumer of your own started before it finds its
+        queue; idempotent.  Returns the names (:meth:`queue_name`)."""
+        return [self.queue_name(q) for q in queues]  # raises for the default
+
+    async def serve_own_queues(self, queues: Sequence[str], stop: asyncio.Event) -> None:
+        """Run inside the relay until ``stop``, for queues a consumer of your
+        own reads: whatever duebox's worker would otherwise do to make a
+        delayed message readable (Redis: move parked messages onto the stream
+        as they come due).  The default: nothing, the broker delays itself."""
+        return
 
     def locate(self, job: EnqueuedRef, now: datetime) -> str:
         """Where the message of ``job`` (``ENQUEUED``) is at ``now``, in a few

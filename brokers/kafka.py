@@ -354,6 +354,14 @@ class KafkaBroker(PublishingBroker):
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         return await self.losses.missing(jobs)
 
+    def queue_name(self, queue: str) -> str:
+        return self.settings.topic(queue)
+
+    async def declare(self, queues: Sequence[str]) -> list[str]:
+        names = [self.queue_name(q) for q in queues]
+        await self.ensure_topics(names)
+        return names
+
     def locate(self, job: EnqueuedRef, now: datetime) -> str:
         return f"in the Kafka topic of {job.queue}"
 

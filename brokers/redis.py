@@ -281,6 +281,28 @@ class RedisBroker(PublishingBroker):
         except RedisError as exc:
             raise BrokerError(f"{self._where()}: {exc}") from exc
 
+    def queue_name(self, queue: str) -> str:
+        self.check_queue_name(self.url, queue)
+        return self.keys(queue).ready
+
+    async def declare(self, queues: Sequence[str]) -> list[str]:
+        """The ready streams and their consumer group (the URL's ``group``):
+        a consumer of your own reads them with ``XREADGROUP``."""
+        names = [self.queue_name(q) for q in queues]
+        try:
+            await self._ensure_groups(await self._redis(), list(queues))
+        except RedisError as exc:
+            raise BrokerError(f"{self._where()}: declaring {', '.join(queues)} failed: "
+                              f"{exc}") from exc
+        return names
+
+    async def serve_own_queues(self, queues: Sequence[str], stop: asyncio.Event) -> None:
+        """The mover a duebox worker runs, for queues no duebox worker reads:
+        parked messages reach the ready stream as they come due."""
+        if queues:
+            await Mover(await self._redis(), self.keys, self._run, self.context.clock,
+                        self._where(), self._log).run(list(queues), stop)
+
     def locate(self, job: EnqueuedRef, now: datetime) -> str:
         if job.due_at > now:
             return "in the Redis index (sorted set by due time)"

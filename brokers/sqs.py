@@ -275,6 +275,15 @@ class SQSBroker(SQSQueues):
         every = last is not None and len(pending) == len(chunk)
         return done, (last if every else None)
 
+    def queue_name(self, queue: str) -> str:
+        return self.settings.queue_name(queue)
+
+    async def declare(self, queues: Sequence[str]) -> list[str]:
+        """Creates the queues (``create``, the default), or finds them."""
+        for q in queues:
+            await self.queue_url(q)
+        return [self.queue_name(q) for q in queues]
+
     def locate(self, job: EnqueuedRef, now: datetime) -> str:
         return "in SQS delay (DelaySeconds)" if job.due_at > now else "visible in the SQS queue"
 

@@ -238,7 +238,7 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
     shown = 0
     while True:
         report = build_report(app.engine, app.clock.now(), window=window,
-                              max_due_age=max_due_age)
+                              max_due_age=max_due_age, own_queues=app.settings.own_queues)
         if watch is not None and not as_json:
             click.clear()
         click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True) if as_json
@@ -289,6 +289,38 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
         raise click.ClickException("demo found a violated guarantee (see above)")
     click.echo("all guarantees held. Next: `duebox jobs list`, `duebox status`, "
                "`duebox dashboard`.")
+
+
+@cli.group()
+def broker() -> None:
+    """The broker's side of your queues (docs/own-consumers.md)."""
+
+
+@broker.command("declare")
+@app_options
+@click.option("--queue", "queues", multiple=True, type=TEXT,
+              help="A queue to declare (repeat for several); default: DUEBOX_OWN_CONSUMER_QUEUES, "
+                   "else every task's queue.")
+def broker_declare(app_spec: str | None, database_url: str | None, broker_url: str | None,
+                   queues: tuple[str, ...]) -> None:
+    """Create queues, topics or streams now, before the relay's first publish,
+    so a consumer of your own started first finds them; prints each queue's
+    broker name."""
+    app = load_app(app_spec, database_url, broker_url, tables=False)  # the broker only
+    for queue, name in app.declare_broker(list(queues) or None).items():
+        click.echo(f"{queue}\t{name}")
+
+
+@broker.command("names")
+@app_options
+@click.option("--queue", "queues", multiple=True, type=TEXT,
+              help="A queue (repeat for several); default as for declare.")
+def broker_names(app_spec: str | None, database_url: str | None, broker_url: str | None,
+                 queues: tuple[str, ...]) -> None:
+    """Print each queue's name on the broker (no connection)."""
+    app = load_app(app_spec, database_url, broker_url, tables=False)
+    for queue in list(queues) or list(app.settings.own_queues) or app.queues:
+        click.echo(f"{queue}\t{app.broker_queue_name(queue)}")
 
 
 # The command groups defined in their own modules.

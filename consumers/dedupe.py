@@ -19,6 +19,15 @@ Stores:
 ``@duebox.dedupe(store)`` wraps a handler you call from your own pika, boto3,
 aiokafka or redis-py loop with that driver's native message; see
 :func:`outbox_id_of` for what it recognises.
+
+When an :class:`SQLDedupeStore`'s engine is the job table's database, the
+decorator also **completes the job** (docs/own-consumers.md): in the same
+transaction as the dedupe row and the handler's writes, the job becomes
+``SUCCEEDED``, fenced on the message's id, version and task
+(core/own_queues.py).  A copy the job has moved on from (another version, a
+cancelled or finished job, a forged task) is answered :data:`DUPLICATE`
+without running the handler and leaves no dedupe row; a message handed over
+before its due time raises :class:`NotDueError` and leaves nothing either.
 """
 
 from __future__ import annotations
@@ -26,17 +35,22 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import uuid
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import bindparam, delete, func, select
+from sqlalchemy import inspect as sa_inspect
 
 from duebox import jobstore
 from duebox.clock import utcnow
 from duebox.db import create_async_engine_for, insert_if_absent
-from duebox.errors import MessageDecodeError
-from duebox.message import HEADER_ID
-from duebox.tables import processed
+from duebox.errors import MessageDecodeError, NotDueError
+from duebox.message import HEADER_ID, HEADER_TASK, HEADER_VERSION
+from duebox.own_queues import Completion, Outcome, complete_steps
+from duebox.producer import drive_sync
+from duebox.tables import job, processed
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,6 +68,23 @@ class _Duplicate:
 DUPLICATE: Any = _Duplicate()
 
 
+class _Undo(Exception):
+    """Rolls back the dedupe row of a message that must not run (stale, early)."""
+
+    def __init__(self, outcome: Outcome, job_id: str) -> None:
+        super().__init__(outcome.completion)
+        self.outcome = outcome
+        self.job_id = job_id
+
+
+def _answer(undo: _Undo, now: datetime) -> Any:
+    """What the handler's caller gets for a message that did not run."""
+    if undo.outcome.completion is Completion.NOT_DUE and undo.outcome.due_at is not None:
+        due = undo.outcome.due_at
+        raise NotDueError(undo.job_id, due.isoformat(), (due - now).total_seconds())
+    return DUPLICATE
+
+
 class SQLDedupeStore:
     """Seen-set in ``duebox_processed``, sharing the handler's transaction.
 
@@ -61,11 +92,19 @@ class SQLDedupeStore:
     engine of the database your handler writes to; the handler then receives
     the open transaction as ``session=`` (a ``Session``, or an
     ``AsyncSession`` for ``async def`` handlers) and must not commit it.
+
+    ``complete``: whether the decorator completes the message's job in that
+    transaction (see the module notes).  ``None`` (the default): when the
+    engine's database has duebox's job table; ``False``: never.
     """
 
-    def __init__(self, engine: Any = None, consumer: str = "duebox") -> None:
+    def __init__(self, engine: Any = None, consumer: str = "duebox",
+                 complete: bool | None = None) -> None:
+        if complete is not None and not isinstance(complete, bool):
+            raise TypeError(f"complete: must be True, False or None (got {complete!r})")
         self.engine = engine
         self.consumer = consumer
+        self.complete = complete
         self._async_engine: Any = None
         self._bound: dict[str, Any] = {}
 
@@ -144,32 +183,70 @@ class SQLDedupeStore:
             raise TypeError("SQLDedupeStore(engine=...) is required outside duebox's worker")
         return self.engine
 
-    def run(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def _completes(self, conn: Any) -> bool:
+        """Whether to complete jobs: ``complete``, or (None) whether this
+        database has the job table, looked up once."""
+        if self.complete is None:
+            self.complete = bool(sa_inspect(conn).has_table(job.name))
+        return self.complete
+
+    @staticmethod
+    def _checked(outcome: Outcome, message_id: str) -> None:
+        if outcome.completion in (Completion.MOVED_ON, Completion.NOT_DUE):
+            raise _Undo(outcome, message_id)
+
+    def run(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any,
+            ref: JobRef | None = None) -> Any:
         from sqlalchemy.orm import Session
 
-        with Session(self._need_engine()) as session, session.begin():
-            dialect = session.get_bind().dialect.name
-            first: Any = session.execute(self.claim_stmt(dialect, message_id, utcnow()))
-            if first.rowcount != 1:
-                return DUPLICATE
-            return fn(*args, session=session, **kwargs)
+        now = utcnow()
+        try:
+            with Session(self._need_engine()) as session, session.begin():
+                dialect = session.get_bind().dialect.name
+                first: Any = session.execute(self.claim_stmt(dialect, message_id, now))
+                if first.rowcount != 1:
+                    return DUPLICATE
+                if ref is not None and self._completes(session.connection()):
+                    self._checked(drive_sync(session, complete_steps(*ref, now)), message_id)
+                return fn(*args, session=session, **kwargs)
+        except _Undo as undo:
+            return _answer(undo, now)
 
-    async def arun(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    async def arun(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any,
+                   ref: JobRef | None = None) -> Any:
         from sqlalchemy.ext.asyncio import AsyncSession
+
+        from duebox.producer import drive
 
         if self._async_engine is None:
             self._async_engine = create_async_engine_for(self._need_engine().url)
-        async with AsyncSession(self._async_engine) as session, session.begin():
-            dialect = session.get_bind().dialect.name
-            first: Any = await session.execute(self.claim_stmt(dialect, message_id, utcnow()))
-            if first.rowcount != 1:
-                return DUPLICATE
-            return await fn(*args, session=session, **kwargs)
+        now = utcnow()
+        try:
+            async with AsyncSession(self._async_engine) as session, session.begin():
+                dialect = session.get_bind().dialect.name
+                first: Any = await session.execute(self.claim_stmt(dialect, message_id, now))
+                if first.rowcount != 1:
+                    return DUPLICATE
+                if ref is not None and self.complete is None:
+                    conn = await session.connection()
+                    await conn.run_sync(self._completes)
+                if ref is not None and self.complete:
+                    pending = drive(session, complete_steps(*ref, now))
+                    assert not isinstance(pending, Outcome)  # an AsyncSession: a coroutine
+                    self._checked(await pending, message_id)
+                return await fn(*args, session=session, **kwargs)
+        except _Undo as undo:
+            return _answer(undo, now)
 
     async def aclose(self) -> None:
         if self._async_engine is not None:
             await self._async_engine.dispose()
             self._async_engine = None
+
+
+# What a message says about its job: id, version and task (None where the
+# message names none).
+JobRef = tuple[uuid.UUID, int, "str | None"]
 
 
 class RedisDedupeStore:
@@ -190,7 +267,8 @@ class RedisDedupeStore:
     def _key(self, message_id: str) -> str:
         return f"{self.prefix}{self.consumer}:{message_id}"
 
-    def run(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def run(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any,
+            ref: JobRef | None = None) -> Any:
         key = self._key(message_id)
         if not self.client.set(key, "processing", nx=True, ex=self.processing_ttl):
             return DUPLICATE
@@ -202,7 +280,8 @@ class RedisDedupeStore:
         self.client.set(key, "done", ex=self.ttl)
         return result
 
-    async def arun(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    async def arun(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any,
+                   ref: JobRef | None = None) -> Any:
         key = self._key(message_id)
         if not await self.client.set(key, "processing", nx=True, ex=self.processing_ttl):
             return DUPLICATE
@@ -218,19 +297,25 @@ class RedisDedupeStore:
 def dedupe(store: SQLDedupeStore | RedisDedupeStore) -> Callable[[F], F]:
     """Skip messages whose outbox id ``store`` has seen; works for sync and
     async handlers.  A duplicate returns :data:`DUPLICATE` without calling the
-    handler; a message with no outbox id raises :class:`MessageDecodeError`."""
+    handler; a message with no outbox id raises :class:`MessageDecodeError`.
+    With an :class:`SQLDedupeStore` on the job table's database it also
+    completes the job (see the module notes)."""
 
     def wrap(fn: F) -> F:
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def awrapper(*args: Any, **kwargs: Any) -> Any:
-                return await store.arun(outbox_id_of(*args, *kwargs.values()), fn, args, kwargs)
+                found = (*args, *kwargs.values())
+                message_id = outbox_id_of(*found)
+                return await store.arun(message_id, fn, args, kwargs, _ref(message_id, found))
 
             return awrapper  # type: ignore[return-value]
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return store.run(outbox_id_of(*args, *kwargs.values()), fn, args, kwargs)
+            found = (*args, *kwargs.values())
+            message_id = outbox_id_of(*found)
+            return store.run(message_id, fn, args, kwargs, _ref(message_id, found))
 
         return wrapper  # type: ignore[return-value]
 
@@ -247,7 +332,7 @@ def outbox_id_of(*candidates: Any) -> str:
     ``duebox-id``, a ``headers`` mapping, or a duebox message body.
     """
     for candidate in candidates:
-        found = _id_in(candidate, depth=0)
+        found = _field_in(candidate, 0, HEADER_ID, "id")
         if found:
             return found
     raise MessageDecodeError(
@@ -265,7 +350,24 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _from_body(body: Any) -> str | None:
+def _ref(message_id: str, candidates: Sequence[Any]) -> JobRef | None:
+    """The job a message names, to complete it: its id, version and task.
+    None when the id is not a job id or the message carries no version (a
+    message from elsewhere: nothing to complete)."""
+    try:
+        job_id = uuid.UUID(message_id)
+    except ValueError:
+        return None
+    version = task = None
+    for candidate in candidates:
+        version = version or _field_in(candidate, 0, HEADER_VERSION, "version")
+        task = task or _field_in(candidate, 0, HEADER_TASK, "task")
+    if version is None or not version.isdigit() or not 0 < int(version) < 2**31:
+        return None
+    return job_id, int(version), task
+
+
+def _from_body(body: Any, key: str = "id") -> str | None:
     text = _text(body)
     if not text or not text.lstrip().startswith("{"):
         return None
@@ -274,49 +376,55 @@ def _from_body(body: Any) -> str | None:
     except ValueError:
         return None
     if isinstance(data, dict) and str(data.get("format", "")).startswith("duebox/"):
-        return _text(data.get("id"))
+        value = data.get(key)
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) \
+            else _text(value)
     return None
 
 
-def _id_in(obj: Any, depth: int) -> str | None:
+def _field_in(obj: Any, depth: int, header: str, key: str) -> str | None:
+    """The ``header`` (``duebox-id`` ...) of a driver's message, else the
+    body's ``key`` (``id`` ...)."""
     if depth > 3 or obj is None:
         return None
     if isinstance(obj, bytes | str):
-        return _from_body(obj)
+        return _from_body(obj, key)
     if isinstance(obj, Mapping):
-        return _id_in_mapping(obj, depth)
+        return _field_in_mapping(obj, depth, header, key)
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], Mapping):
-        return _id_in_mapping(obj[1], depth)  # a Redis stream entry
+        return _field_in_mapping(obj[1], depth, header, key)  # a Redis stream entry
     headers = getattr(obj, "headers", None)
     if headers is not None:  # pika BasicProperties, aiokafka ConsumerRecord
         if isinstance(headers, Mapping):
-            found = _text(headers.get(HEADER_ID))
+            found = _text(headers.get(header))
         else:
-            found = next((_text(v) for k, v in headers if _text(k) == HEADER_ID), None)
+            found = next((_text(v) for k, v in headers if _text(k) == header), None)
         if found:
             return found
     for attr in ("value", "body"):
-        found = _id_in(getattr(obj, attr, None), depth + 1)
+        found = _field_in(getattr(obj, attr, None), depth + 1, header, key)
         if found:
             return found
     return None
 
 
-def _id_in_mapping(m: Mapping[Any, Any], depth: int) -> str | None:
-    for key in (HEADER_ID, HEADER_ID.encode()):
-        found = _text(m.get(key))
+def _field_in_mapping(m: Mapping[Any, Any], depth: int, header: str, key: str) -> str | None:
+    for name in (header, header.encode()):
+        found = _text(m.get(name))
         if found:
             return found
     attrs = m.get("MessageAttributes")  # SQS
-    if isinstance(attrs, Mapping) and isinstance(attrs.get(HEADER_ID), Mapping):
-        found = _text(attrs[HEADER_ID].get("StringValue"))
+    if isinstance(attrs, Mapping) and isinstance(attrs.get(header), Mapping):
+        found = _text(attrs[header].get("StringValue"))
         if found:
             return found
-    for key in ("headers", "Body", "body", b"body", "value"):
-        if key in m:
-            found = _id_in(m[key], depth + 1)
+    for name in ("headers", "Body", "body", b"body", "value"):
+        if name in m:
+            found = _field_in(m[name], depth + 1, header, key)
             if found:
                 return found
     if str(m.get("format", "")).startswith("duebox/"):
-        return _text(m.get("id"))
+        value = m.get(key)
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) \
+            else _text(value)
     return None

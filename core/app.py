@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from . import own_queues
 from .clock import Clock, DatabaseClock
 from .config import Settings
 from .db import create_async_engine_for, create_sync_engine
@@ -69,6 +70,7 @@ class Duebox:
                 database_url=engine.url.render_as_string(hide_password=False)
             )
         check_broker_url(self.settings.broker_url)
+        own_queues.check(self.settings.broker_url, self.settings.own_queues)
         self.clock: Clock = clock or DatabaseClock()
         self.tasks: dict[str, Task] = {}
         self._engine = engine
@@ -92,6 +94,7 @@ class Duebox:
         broker must be able to use every registered task's queue."""
         settings = self.settings.with_(**changes)
         check_broker_url(settings.broker_url)
+        own_queues.check(settings.broker_url, settings.own_queues)
         for task in self.tasks.values():
             check_queue_name(settings.broker_url, task.queue)
         if settings.database_url != self.settings.database_url and self._own_engine:
@@ -402,6 +405,43 @@ class Duebox:
         that starts several ids."""
         dialect_of(session)
         return drive(session, record_steps(id_or_key))
+
+    # --- consumers of your own (docs/own-consumers.md) ---------------------
+
+    def broker_queue_name(self, queue: str) -> str:
+        """The name under which the broker holds ``queue``'s messages, for a
+        consumer of your own: ``duebox.q.emails`` (amqp://, ``prefix``),
+        ``duebox-emails`` (sqs://), ``duebox.emails`` (kafka://, a topic),
+        ``duebox:{emails}:ready`` (redis://, a stream).  No network call;
+        raises :class:`ConfigurationError` for sql:// and memory://, and
+        :class:`ValidationError` (field ``queue``) for a name the broker
+        cannot use."""
+        check_queue_name(self.settings.broker_url, queue)
+        return self.broker("names").queue_name(queue)
+
+    async def adeclare_broker(self, queues: Sequence[str] | None = None) -> dict[str, str]:
+        """Create ``queues``' topology on the broker now (queue and bindings,
+        topic, stream and consumer group), as the relay's first publish would,
+        so a consumer of your own started first finds it.  Idempotent.  By
+        default the ``own_consumer_queues`` setting, else every registered
+        task's queue.  Returns ``{queue: broker name}``."""
+        chosen = list(dict.fromkeys(queues if queues is not None
+                                    else self.settings.own_queues or self.queues))
+        for q in chosen:
+            check_queue_name(self.settings.broker_url, q)
+        broker = self.broker("declare")
+        try:
+            await broker.open()
+            names = await broker.declare(chosen)
+        finally:
+            await broker.close()
+        return dict(zip(chosen, names, strict=True))
+
+    def declare_broker(self, queues: Sequence[str] | None = None) -> dict[str, str]:
+        """:meth:`adeclare_broker`, for code outside an event loop."""
+        import asyncio
+
+        return asyncio.run(self.adeclare_broker(queues))
 
     @property
     def follows_database(self) -> bool:

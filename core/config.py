@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from . import own_queues
 from .dispatch_policy import DispatchPolicy
 from .errors import ConfigurationError
 from .values import MAX_SPAN
@@ -62,8 +63,15 @@ class Settings:
     # longer declared: "pause" it (kept, with its history; declared again,
     # it resumes) or "delete" it (its pending occurrences still run).
     removed_schedules: str = "pause"
+    # Queues a consumer of your own reads (docs/own-consumers.md): the relay
+    # marks their jobs DELIVERED once the broker confirmed the publish, and
+    # no duebox worker is expected for them.  A list of names, or one
+    # comma-separated string (DUEBOX_OWN_CONSUMER_QUEUES=emails,sms).
+    own_consumer_queues: tuple[str, ...] | str = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "own_consumer_queues",
+                           own_queues.parse(self.own_consumer_queues))
         if self.dispatch_policy is not None:
             object.__setattr__(self, "dispatch_policy", DispatchPolicy.parse(self.dispatch_policy))
         _positive_int("batch_size", self.batch_size, upper=100_000)
@@ -86,6 +94,12 @@ class Settings:
         for name in ("database_url", "broker_url"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name}: must be a non-empty URL string")
+
+    @property
+    def own_queues(self) -> tuple[str, ...]:
+        """``own_consumer_queues``, as checked (always a tuple)."""
+        value = self.own_consumer_queues
+        return value if isinstance(value, tuple) else own_queues.parse(value)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -126,3 +126,16 @@ def _short_repr(value: object, limit: int = 80) -> str:
     except Exception:  # a caller's object whose repr() fails: say what it is
         return f"a {type(value).__name__}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class NotDueError(JobStateError):
+    """A consumer of your own handed the dedupe decorator a job's message
+    before the job's due time (``duebox-due-at``): nothing ran and nothing
+    was written.  Requeue or hold the message for ``seconds``."""
+
+    def __init__(self, job_id: object, due_at: object, seconds: float) -> None:
+        self.job_id = job_id
+        self.due_at = due_at
+        self.seconds = seconds
+        super().__init__(f"job {job_id}: not due until {due_at} ({seconds:.3f} s from now); "
+                         "hold or requeue its message until then")

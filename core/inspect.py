@@ -358,4 +358,7 @@ def where_now(row: JobView, locate: Locate, now: datetime) -> str:
         return f"{where}, {due}{mid}, handed over {_fmt(row.published_at)}"
     if state == JobState.RUNNING:
         return f"running on {row.lease_owner}, lease until {_fmt(row.lease_until)}"
+    if state == JobState.DELIVERED:
+        return (f"delivered: handed over {_fmt(row.published_at)} to queue {row.queue}, "
+                "which your own consumer reads; duebox's part is done")
     return f"finished: {state}"

@@ -15,6 +15,7 @@ while there is work, an oldest due job older than ``max_due_age``).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -214,12 +215,28 @@ def _state_counts(conn: Connection, cap: int) -> tuple[dict[str, int], bool]:
     return counts, capped
 
 
+def _worker_work(conn: Connection, own_queues: Collection[str], active: int) -> int:
+    """Active jobs a duebox worker is expected for: those outside the queues
+    your own consumer reads (docs/own-consumers.md); capped like the counts."""
+    if not own_queues or not active:
+        return active
+    ids = (select(job.c.id).where(job.c.state.in_(list(_ACTIVE_STATES)),
+                                  job.c.queue.not_in(sorted(own_queues)))
+           .limit(max(active, 1)).subquery())
+    return int(conn.execute(select(func.count()).select_from(ids)).scalar_one())
+
+
 def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
                  max_due_age: float = 60.0, overdue_after: float = 60.0,
-                 cap: int = DEFAULT_COUNT_CAP, top_tenants: int = 20) -> StatusReport:
+                 cap: int = DEFAULT_COUNT_CAP, top_tenants: int = 20,
+                 own_queues: Collection[str] = ()) -> StatusReport:
+    """``own_queues``: the queues your own consumer reads (the app's
+    ``own_consumer_queues``): their jobs need a relay but no duebox worker."""
     reader = engine.execution_options(**{SQLITE_DEFERRED: True})
     with db_errors("status"), reader.connect() as conn:
         states, states_capped = _state_counts(conn, cap)
+        active = sum(n for state, n in states.items() if state in _ACTIVE_STATES)
+        for_workers = _worker_work(conn, own_queues, active)
         snap = read_snapshot(conn, now, overdue_after=overdue_after, cap=cap,
                              top_tenants=top_tenants)
         sample = lateness_sample(conn, now, window)
@@ -239,13 +256,13 @@ def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
 
     problems: list[str] = []
     warnings: list[str] = []
-    # Missing processes matter only when there is work for them.
-    active = sum(n for state, n in states.items() if state in _ACTIVE_STATES)
-    idle = warnings if not active else problems
+    # Missing processes matter only when there is work for them; jobs of
+    # your own consumer's queues need a relay, not a duebox worker.
     if not relays:
-        idle.append("no live relay: nothing claims, recovers leases or fires schedules")
-    if not workers:
-        idle.append("no live worker")
+        (problems if active else warnings).append(
+            "no live relay: nothing claims, recovers leases or fires schedules")
+    if not workers and (for_workers or not own_queues):
+        (problems if for_workers else warnings).append("no live worker")
     orphans = [s.shard for s in shards if s.owner is None]
     if orphans and relays:
         warnings.append(f"shards with no live owner: {', '.join(orphans)} "

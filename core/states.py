@@ -5,6 +5,11 @@
 ``SCHEDULED`` again (a retry, later ``due_at``) | ``DEAD``; ``CANCELLED`` and
 ``EXPIRED`` from any non-final state. With the ``sql://`` backend workers claim
 ``SCHEDULED`` rows straight into ``RUNNING``.
+
+A queue consumed by your own loop (``Settings.own_consumer_queues``, see
+docs/own-consumers.md) ends ``DISPATCHING`` → ``DELIVERED`` instead of
+``ENQUEUED``: the broker confirmed the message and duebox's part is done.  The
+dedupe decorator may still complete such a job, ``DELIVERED`` → ``SUCCEEDED``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ class JobState(StrEnum):
     SCHEDULED = "SCHEDULED"
     DISPATCHING = "DISPATCHING"
     ENQUEUED = "ENQUEUED"
+    # Handed to a queue your own consumer reads: terminal for duebox (never
+    # republished, never reconciled), though not necessarily handled yet.
+    DELIVERED = "DELIVERED"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
     DEAD = "DEAD"
@@ -23,7 +31,8 @@ class JobState(StrEnum):
     EXPIRED = "EXPIRED"
 
 
-FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED, JobState.EXPIRED})
+FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED, JobState.EXPIRED,
+                          JobState.DELIVERED})
 ACTIVE_STATES = frozenset(set(JobState) - FINAL_STATES)
 # States from which a worker may start a job: the relay's mark may not have
 # landed yet when the message arrives (DISPATCHING), and a recovered job may be
@@ -63,6 +72,7 @@ class Discard(StrEnum):
     ALREADY_SUCCEEDED = "already_succeeded"
     ALREADY_DEAD = "already_dead"
     ALREADY_EXPIRED = "already_expired"
+    ALREADY_DELIVERED = "already_delivered"  # handed to your own consumer's queue
     ALREADY_CANCELLED = "already_cancelled"
 
     @classmethod

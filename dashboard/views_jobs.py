@@ -5,7 +5,7 @@ from __future__ import annotations
 from duebox.ids import parse_job_id
 from duebox.inspect import AttemptView, AuditView, JobView, load_job, locator, where_now
 from duebox.masking import Masked
-from duebox.states import JobState
+from duebox.states import FINAL_STATES, JobState
 
 from .context import Dashboard
 from .queries import Cursor, parse_filter, search_jobs
@@ -118,8 +118,7 @@ def job(d: Dashboard, request: Request, job_id: str) -> Response:
         rest += ("<h2>Dead letter</h2>"
                  + d.action_form(request, f"/jobs/{row.id}/replay", "Replay")
                  + d.action_form(request, f"/jobs/{row.id}/purge", "Purge", danger=True))
-    final = row.state in (JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED,
-                          JobState.EXPIRED)
+    final = row.state in FINAL_STATES
     return Response(body=page(f"Job {row.id}", live, rest, active="/jobs",
                               refresh=None if final else d.refresh,
                               banner=d.take_flash(request)))

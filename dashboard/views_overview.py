@@ -33,7 +33,8 @@ def overview(d: Dashboard, request: Request) -> Response:
     horizon_key = request.query.get("ahead", "6h")
     horizon = _HORIZONS.get(horizon_key, _HORIZONS["6h"])
     now = d.now()
-    report = build_report(d.app.engine, now, window=_WINDOW)
+    report = build_report(d.app.engine, now, window=_WINDOW,
+                          own_queues=d.app.settings.own_queues)
     with d.read("dashboard overview") as conn:
         late = lateness_buckets(conn, now)
         ahead = due_ahead(conn, now, horizon=horizon)

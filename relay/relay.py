@@ -142,6 +142,9 @@ class Relay:
         # Batches the broker confirmed, not yet marked ENQUEUED: (claim owner,
         # ids); the next claim's transaction marks them (see _pipeline).
         self._unmarked: list[tuple[str, list[uuid.UUID]]] = []
+        # Queues your own consumer reads: their marks say DELIVERED
+        # (core/own_queues.py, docs/own-consumers.md).
+        self._delivered = app.settings.own_queues
         self.collector = DBCollector(self.metrics, interval=collect_interval)
         snapshot = functools.partial(collect, app, self.collector, self.scale)
         self._log = CollapsedLog(log)
@@ -296,7 +299,8 @@ class Relay:
         now = self.app.clock.now()
         fence = self.scale.fence(now)
         with db_errors("mark"), self.app.engine.begin() as conn:
-            return [dispatched.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence)
+            return [dispatched.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence,
+                                             delivered=self._delivered)
                     for owner, ids in marks]
 
     def _claim(self, owner: str, catchup: int = 0) -> list[jobstore.JobRecord]:
@@ -317,11 +321,12 @@ class Relay:
                 return dispatched.mark_and_claim(
                     conn, marks=marks, owner=owner, horizon=w.backlog_until, limit=catchup,
                     now=now, lease_until=w.lease_until, priority_first=True, fence=w.fence,
+                    delivered=self._delivered,
                 )
             limit = self.scale.backpressure.limit(self.batch_size)
             if self.scale.fair is not None:
                 counts = [dispatched.mark_enqueued(conn, owner=o, ids=ids, now=now,
-                                                   fence=w.fence)
+                                                   fence=w.fence, delivered=self._delivered)
                           for o, ids in marks]
                 return counts, self.scale.fair.claim(
                     conn, owner=owner, horizon=w.horizon, after=None, now=now,
@@ -330,6 +335,7 @@ class Relay:
             return dispatched.mark_and_claim(
                 conn, marks=marks, owner=owner, horizon=w.horizon, limit=limit, now=now,
                 lease_until=w.lease_until, after=w.backlog_until, fence=w.fence,
+                delivered=self._delivered,
             )
 
     @contextlib.contextmanager
@@ -396,7 +402,8 @@ class Relay:
         if not ok:
             return
         marked = await asyncio.to_thread(self._db, dispatched.mark_enqueued, owner, ok,
-                                         fence=self.scale.fence(self.app.clock.now()))
+                                         fence=self.scale.fence(self.app.clock.now()),
+                                         delivered=self._delivered)
         stats.marked += marked
         stats.lost_marks += len(ok) - marked
 
@@ -488,6 +495,10 @@ class Relay:
         self._held.changed = asyncio.Event()  # of this loop: run() may be called again
         self._publishing = asyncio.Lock()
         self._timer = asyncio.create_task(self._fire_held(stop), name="duebox-relay-timer")
+        # No duebox worker reads your own consumer's queues: what it would do
+        # for them (Redis's mover) runs here.
+        serving = asyncio.create_task(self.broker.serve_own_queues(self._delivered, stop),
+                                      name="duebox-relay-own-queues")
         backoff = 0.1
         log.info("relay %s started: %s -> %s (max_delay=%s)", self.name,
                  redacted(self.app.settings.database_url),
@@ -512,6 +523,8 @@ class Relay:
                 await wait_any(wait, waker.event, stop)
                 waker.event.clear()
         finally:
+            serving.cancel()
+            await asyncio.wait({serving}, timeout=2.0)
             await self.heartbeat.stop(beating)
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
