@@ -89,6 +89,7 @@ class AMQPBroker(PublishingBroker):
                         "the job table republishes anything lost after redeliver_after",
         payload_limit=PAYLOAD_LIMIT,
         redelivers_unacked=True,
+        prompt_redelivery=True,
         publish_lead=HANDOVER_LEAD,  # TTL tiers are coarse: the relay holds the last seconds
         in_flight_after_cancel="waits out its delay in the broker, then is delivered and "
                                "discarded by the version check",

@@ -102,6 +102,7 @@ class RedisBroker(PublishingBroker):
                         "the relay's reconciliation publishes again what Redis lost",
         payload_limit=512 * 1024 * 1024,
         redelivers_unacked=True,
+        prompt_redelivery=True,
         in_flight_after_cancel="broker.cancel() removes a parked or unread entry; one already "
                                "read is discarded by the version check; a reschedule replaces "
                                "the parked entry in place",

@@ -85,6 +85,7 @@ class SQLBroker(Broker):
         durability_note="the database's: committed jobs survive any process crash",
         payload_limit=None,
         redelivers_unacked=True,
+        prompt_redelivery=True,
         in_flight_after_cancel="nothing is in flight: a cancelled row is never claimed",
         direct_claim=True,
     )

@@ -67,7 +67,7 @@ from sqlalchemy.orm import Session
 
 from duebox import jobstore, unstarted
 from duebox.clock import Clock, wait_until
-from duebox.db import db_errors
+from duebox.db import bound_idle_transaction, db_errors
 from duebox.failures import error_line
 from duebox.message import JobMessage, stored_payload_ok
 from duebox.states import LeaseVerdict
@@ -192,6 +192,8 @@ class Executors:
         self._running: set[asyncio.Task[None]] = set()
         # Handler seconds per job, smoothed (None: none ran yet).
         self.pace: float | None = None
+        # The same per task, from every run (alone: its commit included).
+        self.task_pace: dict[str, float] = {}
         self._renewer: asyncio.Task[None] | None = None
         # Called when an executor may be free for the batch lane.
         self.on_free: Callable[[], None] = lambda: None
@@ -308,10 +310,22 @@ class Executors:
             _settle(item, Outcome(RunStatus.RELEASED))
         return [item.rec for item in waiting]
 
-    def _paced(self, seconds: float) -> None:
+    def _paced(self, seconds: float, task: str) -> None:
         """One grouped handler's run time (alone, a job's time includes its
         own commit, which is what grouping saves: not its pace)."""
         self.pace = seconds if self.pace is None else 0.8 * self.pace + 0.2 * seconds
+        self._task_paced(seconds, task)
+
+    def _task_paced(self, seconds: float, task: str) -> None:
+        before = self.task_pace.get(task)
+        self.task_pace[task] = seconds if before is None else 0.8 * before + 0.2 * seconds
+
+    def short(self, task: Task) -> bool:
+        """Whether the task's handlers are known to take less than the group
+        budget: the batch lane takes only those (a handler that runs long
+        holds its batch's row locks, which are its leases, all that time)."""
+        pace = self.task_pace.get(task.name)
+        return pace is not None and pace <= _BUDGET
 
     async def _renew_waiting(self) -> None:
         """Jobs waiting for an executor are leased (started or claimed) but
@@ -352,7 +366,9 @@ class Executors:
                 outcome = Outcome(RunStatus.CANCELLED)
             else:
                 item.started = self.app.clock.now()
+                began = time.monotonic()
                 outcome = await execution.run()
+                self._task_paced(time.monotonic() - began, item.task.name)
                 item.started = execution.started or item.started
         except Exception as exc:
             if item.future is not None and not item.future.done():
@@ -365,6 +381,7 @@ class Executors:
     def _run_group(self, items: list[_Item]) -> tuple[list[tuple[_Item, Outcome]], list[_Item]]:
         with db_errors("group commit"), Session(self.app.engine) as session, session.begin():
             conn = session.connection()
+            bound_idle_transaction(conn, self.app.settings.lease_seconds)
             fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items],
                                            self.app.clock.now())
             leases = jobstore.lock_leased(conn, [i.rec for i in items])
@@ -387,6 +404,7 @@ class Executors:
         try:
             with db_errors("batch lane"), Session(self.app.engine) as session, session.begin():
                 conn = session.connection()
+                bound_idle_transaction(conn, self.app.settings.lease_seconds)
                 locked = unstarted.lock_startable(conn, [m for m, _ in entries], clock.now(),
                                                   owner)
                 for i, (message, task) in enumerate(entries):
@@ -507,7 +525,7 @@ class Executors:
                 item.task.fn(item.rec.payload,
                              job_context(item.rec, session, self.worker, control))
             finally:
-                self._paced(time.monotonic() - began)
+                self._paced(time.monotonic() - began, item.task.name)
         except Exception as exc:
             try:
                 savepoint.rollback()

@@ -12,17 +12,32 @@ their handlers each in a savepoint and completes them (core/unstarted.py
 says why the lock is the lease).  Then the broker's messages are
 acknowledged.
 
-Only what needs nothing else takes the lane: a decodable message that is
-already due, not claimed by its backend (``sql://`` leases rows itself),
-of a task that group commit may run (sync, no timeout, not opted out), with
-no ``ordering_key`` (keys keep their line on the usual path,
-consumers/turns.py), with tracing off (the usual path makes the spans),
-on a broker that redelivers what was never
-acknowledged (a worker that dies mid-batch leaves nothing changed in the
-database; its messages come back), with more than one executor.  Anything
-the lane cannot settle — a row locked by someone else, a stale or cancelled
-job, a stored payload that does not decode, a lost transaction — is handed
-to the usual path, which knows why and acts on it.
+Only what needs nothing else takes the lane:
+
+- a decodable message, already due (a claimed ``sql://`` job: not expired,
+  its stored payload readable);
+- of a task that group commit may run (sync, no timeout, not opted out) and
+  whose handlers are known to be short: a handler holds its batch's row
+  locks, which are the leases, while it runs, so a task that runs long (or
+  has not run yet here) takes the usual path, with heartbeats;
+- with no ``ordering_key`` (keys keep their line on the usual path,
+  consumers/turns.py), with tracing off (the usual path makes the spans);
+- on a broker that promptly redelivers what a dead consumer held
+  (``Capabilities.prompt_redelivery``: RabbitMQ when the connection closes,
+  Redis once the owner is known dead; ``sql://`` claims rows that lease
+  recovery hands back): a worker that dies mid-batch leaves nothing changed
+  in the database, and its messages come back within the crash-recovery
+  bound.  SQS (a visibility timeout the worker extends) and Kafka (a
+  group's session timeout) keep the usual path, whose started jobs the
+  relay recovers as soon as their owner is known dead;
+- off SQLite, with more than one executor.
+
+A paused worker's batch (SIGSTOP, a network cut) holds its locks: on
+PostgreSQL the server ends the session once the transaction has been idle
+for ``lease_seconds`` (core/db.py, bound_idle_transaction), and lease expiry
+takes over as from any lost worker.  Anything the lane cannot settle — a
+row locked by someone else, a stale or cancelled job, a lost transaction —
+is handed to the usual path, which knows why and acts on it.
 """
 
 from __future__ import annotations
@@ -89,7 +104,7 @@ class Lane:
         """Whether a worker with these settings runs a lane at all.  SQLite
         takes its write lock at the first write, after the lane's read: it
         keeps the usual path."""
-        return (broker.capabilities.redelivers_unacked and dialect != "sqlite"
+        return (broker.capabilities.prompt_redelivery and dialect != "sqlite"
                 and concurrency > 1 and group > 1)
 
     def take(self, delivery: Delivery, now: datetime) -> bool:
@@ -101,7 +116,7 @@ class Lane:
         if rec is not None and (rec.expired(now) or not stored_payload_ok(rec)):
             return False  # the usual path expires it or dead-letters it
         task = self.tasks.get(msg.task)
-        if (task is None or not self.executors.groups(task)
+        if (task is None or not self.executors.groups(task) or not self.executors.short(task)
                 or (msg.headers and msg.headers.get(ORDERING_KEY_HEADER) not in (None, ""))):
             return False
         self._waiting.append(_Entry(delivery, msg, task))

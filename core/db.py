@@ -427,3 +427,15 @@ class PgWaker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+
+
+def bound_idle_transaction(conn: Connection, seconds: float) -> None:
+    """PostgreSQL: end this transaction's session if it sits idle (no
+    statement running) longer than ``seconds`` — a process paused (SIGSTOP)
+    or cut off while its transaction holds row locks that are its jobs'
+    leases.  The server then releases the locks and lease expiry hands the
+    jobs over as it would from any lost worker; the paused process's
+    transaction can no longer commit.  For this transaction only."""
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            f"SET LOCAL idle_in_transaction_session_timeout = {max(1, int(seconds * 1000))}")

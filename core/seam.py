@@ -57,6 +57,11 @@ class Capabilities:
     through the broker's delay like any other.  ``ordering`` and
     ``durability`` are the kinds the contract suite checks;
     ``ordering_note`` and ``durability_note`` say the backend's particulars.
+    ``prompt_redelivery``: what a dead consumer held comes back within
+    seconds of its death (the connection closing, or the owner known dead),
+    not after a visibility timeout or a group's session timeout; the
+    worker's batch lane, which leaves a message's job unstarted until its
+    batch commits, runs only there (consumers/lane.py).
     """
 
     name: str
@@ -72,6 +77,7 @@ class Capabilities:
     publish_lead: float | None = None
     ordering_note: str = ""
     durability_note: str = ""
+    prompt_redelivery: bool = False
 
 
 @dataclass(frozen=True)
