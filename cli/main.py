@@ -24,6 +24,7 @@ from .dashboard_cmd import dashboard
 from .dlq_cmd import dlq_group
 from .loading import load_app
 from .options import TEXT, F, app_options, errors_as_messages, operator_options
+from .routes_cmd import routes
 from .schedules_cmd import schedules
 
 
@@ -295,6 +296,7 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
 cli.add_command(dashboard)
 cli.add_command(dlq_group)
 cli.add_command(schedules)
+cli.add_command(routes)
 
 
 def main() -> None:

@@ -156,6 +156,9 @@ job = Table(
     _dt("finished_at"),
     # Added by migration 0003 (operating at scale, see docs/scale.md).
     Column("shard", SmallInteger, nullable=False, default=_shard_default),
+    # Added by migration 0009: the broker route the job was last handed to
+    # (core/reroute.py), so a queue moved to another broker can be re-routed.
+    Column("published_to", String(255), nullable=True),
     UniqueConstraint("key", name="uq_duebox_job_key"),
     UniqueConstraint("schedule_id", "nominal_fire_at", name="uq_duebox_job_occurrence"),
     # The claim: state = 'SCHEDULED' AND due_at <= :horizon ORDER BY due_at.

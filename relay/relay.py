@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from duebox import claims, dispatched, jobstore, routes, tracing
+from duebox import claims, dispatched, jobstore, reroute, routes, tracing
 from duebox.brokers.base import Broker, Outgoing, PublishingBroker, open_broker
 from duebox.config import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
@@ -58,6 +58,7 @@ from .horizon import Horizon
 from .reconcile import Reconciler
 from .recovering import LeaseRecovery
 from .refusals import Refusals
+from .rerouting import Rerouting
 from .routes import RelayLanes
 from .scale import ScaleControls
 from .schedules import ScheduleStep
@@ -122,6 +123,10 @@ class Relay:
         # Absent where workers claim rows from the job table (sql://): then
         # the relay publishes nothing; it recovers, takes over and generates.
         self.publisher = self.broker if isinstance(self.broker, PublishingBroker) else None
+        # Every mark records the route (core/reroute.py): a queue moved to
+        # another broker later has its jobs moved with it (self.rerouting).
+        self.published_to = reroute.route_key(self.broker.url)
+        self.rerouting = Rerouting(app, self.batch_size)
         caps = self.broker.capabilities
         max_delay = self.broker.max_delay
         # How far ahead of the broker's ceiling to claim and hold in memory.
@@ -220,6 +225,7 @@ class Relay:
                                         ("dispatching", "running", "dead", "enqueued")})
             stats.expired += await asyncio.to_thread(self.catchup.sweep)
         stats.occurrences = await self.schedules.run()
+        stats.rerouted = await self.rerouting.step()
 
     async def _catch_up(self, stats: PassStats) -> None:
         """Overdue jobs (the backlog after an outage): bounded batches under the
@@ -328,7 +334,8 @@ class Relay:
         now = self.app.clock.now()
         fence = self.scale.fence(now)
         with db_errors("mark"), self.app.engine.begin() as conn:
-            return [dispatched.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence)
+            return [dispatched.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence,
+                                             published_to=self.published_to)
                     for owner, ids in marks]
 
     def _claim(self, owner: str, catchup: int = 0) -> list[jobstore.JobRecord]:
@@ -349,11 +356,12 @@ class Relay:
                 return dispatched.mark_and_claim(
                     conn, marks=marks, owner=owner, horizon=w.backlog_until, limit=catchup,
                     now=now, lease_until=w.lease_until, priority_first=True, fence=w.fence,
+                    published_to=self.published_to,
                 )
             limit = self.scale.backpressure.limit(self.batch_size)
             if self.scale.fair is not None:
                 counts = [dispatched.mark_enqueued(conn, owner=o, ids=ids, now=now,
-                                                   fence=w.fence)
+                                                   fence=w.fence, published_to=self.published_to)
                           for o, ids in marks]
                 return counts, self.scale.fair.claim(
                     conn, owner=owner, horizon=w.horizon, after=None, now=now,
@@ -362,6 +370,7 @@ class Relay:
             return dispatched.mark_and_claim(
                 conn, marks=marks, owner=owner, horizon=w.horizon, limit=limit, now=now,
                 lease_until=w.lease_until, after=w.backlog_until, fence=w.fence,
+                published_to=self.published_to,
             )
 
     @contextlib.contextmanager
@@ -428,7 +437,8 @@ class Relay:
         if not ok:
             return
         marked = await asyncio.to_thread(self._db, dispatched.mark_enqueued, owner, ok,
-                                         fence=self.scale.fence(self.app.clock.now()))
+                                         fence=self.scale.fence(self.app.clock.now()),
+                                         published_to=self.published_to)
         stats.marked += marked
         stats.lost_marks += len(ok) - marked
 
@@ -485,7 +495,7 @@ class Relay:
         release = self._held.next_release()
         if release is not None and self._timer is None:
             waits.append((release - now).total_seconds())
-        if self.reconciler.sweeping or self.schedules.pending:
+        if self.reconciler.sweeping or self.schedules.pending or self.rerouting.pending:
             waits.append(0.0)
         if self.catchup.throttled:
             waits.append(self.catchup.bucket.seconds_until(self.catchup.chunk, now))

@@ -1,0 +1,58 @@
+"""The relay's re-routing step (core/reroute.py): jobs handed to a broker
+that no longer serves their queue go back to ``SCHEDULED`` with a new
+version, and the route that serves the queue now publishes them.
+
+Routes change only with a process's configuration, so the step sweeps when
+the relay starts, until nothing is left, and then once a minute for jobs
+that a relay still on the old configuration handed over meanwhile (a
+rolling deploy).  Each pass moves a bounded number of jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+from duebox import reroute
+from duebox.db import db_errors
+
+if TYPE_CHECKING:
+    from duebox.app import Duebox
+
+log = logging.getLogger("duebox.relay")
+
+# Seconds between sweeps once a sweep found nothing left.
+SWEEP_INTERVAL = 60.0
+
+
+class Rerouting:
+    def __init__(self, app: Duebox, batch_size: int, interval: float = SWEEP_INTERVAL) -> None:
+        self.app = app
+        self.batch_size = batch_size
+        self.interval = interval
+        self._last = -math.inf
+        # A sweep that moved a full batch: go on next pass, not in a minute.
+        self.pending = False
+
+    async def step(self) -> int:
+        """This pass's share: the number of jobs moved to their queue's route."""
+        if not self.pending and time.monotonic() - self._last < self.interval:
+            return 0
+        self._last = time.monotonic()
+        moved = await asyncio.to_thread(self._sweep)
+        self.pending = moved >= self.batch_size
+        if moved:
+            log.warning("%d enqueued jobs were on a broker that no longer serves their queue; "
+                        "they go to the queue's route now (the old copies are stale)", moved)
+        return moved
+
+    def _sweep(self) -> int:
+        with db_errors("reroute"), self.app.engine.begin() as conn:
+            return reroute.reroute(conn, routes=self.app.routes, now=self.app.clock.now(),
+                                   limit=self.batch_size)
+
+
+__all__ = ["Rerouting"]
