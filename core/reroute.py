@@ -27,9 +27,9 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-from sqlalchemy import ColumnElement, Connection, and_, func, select, update
+from sqlalchemy import ColumnElement, Connection, and_, func, or_, select, update
 
-from .claims import locked, update_locked
+from .claims import update_locked
 from .routes import Route, Routes, redacted
 from .states import JobState
 from .tables import job
@@ -50,8 +50,11 @@ def route_key(url: str) -> str:
 
 def _stale(route: Route) -> ColumnElement[bool]:
     """``ENQUEUED`` jobs of ``route``'s queues handed to another route."""
-    where = and_(job.c.state == JobState.ENQUEUED, job.c.published_to.is_not(None),
-                 job.c.published_to != route_key(route.url))
+    key = route_key(route.url)
+    # Two ranges of ix_duebox_job_state_route rather than `<>`, which an
+    # index cannot seek: with nothing left to move, the sweep reads nothing.
+    where = and_(job.c.state == JobState.ENQUEUED,
+                 or_(job.c.published_to < key, job.c.published_to > key))
     queues = route.where()
     return where if queues is None else and_(where, queues)
 
@@ -68,7 +71,11 @@ def reroute(conn: Connection, *, routes: Routes, now: datetime, limit: int) -> i
         stmt = update(job).where(stale).values(
             state=JobState.SCHEDULED, version=job.c.version + 1, published_to=None,
             updated_at=now)
-        moved += update_locked(conn, stmt, locked(stale, limit))
+        # In no particular order: ordered by due time, the planner would
+        # walk every ENQUEUED row in the due-time index to find none.
+        candidates = (select(job.c.id).where(stale).limit(limit)
+                      .with_for_update(skip_locked=True))
+        moved += update_locked(conn, stmt, candidates)
     return moved
 
 

@@ -167,6 +167,8 @@ job = Table(
     Index("ix_duebox_job_state_lease", "state", "lease_until"),
     # The fair claim: one bounded, index-ordered read per (queue, tenant, priority).
     Index("ix_duebox_job_class_due", "state", "queue", "tenant", "priority", "due_at"),
+    # The relay's sweep for jobs left on an old route (core/reroute.py).
+    Index("ix_duebox_job_state_route", "state", "published_to"),
 )
 
 attempt = Table(

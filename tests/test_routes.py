@@ -13,11 +13,13 @@ from typing import Any
 
 import helpers
 import pytest
+import sqlalchemy as sa
 from backends import Keys, with_params
 from conftest import reset_tables
 from helpers import Running, check_no_early_start, job_row, make_app, schedule_committed
 
 import duebox
+from duebox import reroute
 from duebox.brokers.amqp import AMQPBroker
 from duebox.brokers.redis import RedisBroker
 from duebox.brokers.routed import RoutedBroker
@@ -27,6 +29,7 @@ from duebox.errors import ConfigurationError
 from duebox.relay import Relay
 from duebox.relay.shards import ShardConfig
 from duebox.routes import Routes
+from duebox.tables import job
 
 # --- settings -------------------------------------------------------------------------
 
@@ -211,3 +214,53 @@ async def test_relay_lanes_follow_the_routes(tmp_path: Any, redis_keys: Keys) ->
             Relay(app, shards=ShardConfig(2))
     finally:
         app.dispose()
+
+
+# --- switching: the sweep ---------------------------------------------------------------
+
+
+def _enqueue(app: duebox.Duebox, job_id: uuid.UUID, published_to: str | None,
+             state: str = "ENQUEUED") -> None:
+    with app.engine.begin() as conn:
+        conn.execute(sa.update(job).where(job.c.id == job_id).values(
+            state=state, published_to=published_to))
+
+
+def test_sweep_moves_only_jobs_left_on_an_old_route(database_url: str) -> None:
+    redis, amqp = "redis://u:pw@h/0", "amqp://g:g@h/"
+    app = make_app(database_url, amqp, broker_routes={"emails": "sql://"})
+    _route_tasks(app, ["emails"])
+    moved_default, kept_default, running, unknown, moved_emails = (
+        schedule_committed(app, t, delay=60) for t in
+        ("effect", "effect", "effect", "effect", "effect_emails"))
+    _enqueue(app, moved_default, reroute.route_key(redis))   # broker_url was redis
+    _enqueue(app, kept_default, reroute.route_key(amqp))     # already on its route
+    _enqueue(app, running, reroute.route_key(redis), "RUNNING")
+    _enqueue(app, unknown, None)                             # marked before 0009
+    _enqueue(app, moved_emails, reroute.route_key(amqp))     # emails now on sql://
+    assert reroute.route_key(redis) == "redis://u:***@h/0"  # no secret in the table
+    with app.engine.connect() as conn:
+        left = reroute.leftovers(conn, app.routes)
+    assert sorted((x.queue, x.published_to, x.route_now, x.jobs) for x in left) == [
+        ("default", "redis://u:***@h/0", "amqp://g:***@h/", 1),
+        ("emails", "amqp://g:***@h/", "sql://", 1)]
+    with app.engine.begin() as conn:
+        assert reroute.reroute(conn, routes=app.routes, now=app.clock.now(), limit=10) == 2
+    for moved in (moved_default, moved_emails):
+        row = job_row(app.engine, moved)
+        assert (row.state, row.version, row.published_to) == ("SCHEDULED", 2, None)
+    assert job_row(app.engine, kept_default).state == "ENQUEUED"
+    assert job_row(app.engine, running).state == "RUNNING"
+    assert job_row(app.engine, unknown).state == "ENQUEUED"
+    with app.engine.begin() as conn:
+        assert reroute.reroute(conn, routes=app.routes, now=app.clock.now(), limit=10) == 0
+        assert reroute.leftovers(conn, app.routes) == []
+    app.dispose()
+
+
+def test_long_urls_get_a_digest_key() -> None:
+    url = "amqp://u:pw@h/" + "v" * 300
+    key = reroute.route_key(url)
+    assert len(key) <= 255
+    assert key.startswith("amqp://#")
+    assert key != reroute.route_key(url + "x")

@@ -29,9 +29,14 @@ def upgrade() -> None:
     """Upgrade schema."""
     with op.batch_alter_table('duebox_job', schema=None) as batch_op:
         batch_op.add_column(sa.Column('published_to', sa.String(length=255), nullable=True))
+    # The relay's sweep for jobs on an old route reads two ranges of it
+    # (published_to below and above the current route) instead of every
+    # ENQUEUED row.
+    op.create_index('ix_duebox_job_state_route', 'duebox_job', ['state', 'published_to'])
 
 
 def downgrade() -> None:
     """Downgrade schema."""
+    op.drop_index('ix_duebox_job_state_route', table_name='duebox_job')
     with op.batch_alter_table('duebox_job', schema=None) as batch_op:
         batch_op.drop_column('published_to')
