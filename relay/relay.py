@@ -177,7 +177,9 @@ class Relay:
         self.refusals = Refusals(app, self.name, self._log)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
-            info=self.observe.info, tick=snapshot, tick_interval=collect_interval)
+            info=self.observe.info if self.lanes is None
+            else functools.partial(self.lanes.info, self.observe.info),
+            tick=snapshot, tick_interval=collect_interval)
         self.recovery = LeaseRecovery(app, self.broker, self.batch_size, self.name,
                                       recover_interval)
 

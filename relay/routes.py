@@ -31,7 +31,7 @@ from duebox.errors import ConfigurationError
 from duebox.routes import Route, describe
 from duebox.seam import BrokerContext, Capabilities, Durability, Ordering
 
-from .stats import PassStats
+from .stats import PassStats, RelayMetrics
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -49,6 +49,7 @@ class Lane(Protocol):
     """What the relay's lanes are (a Relay, for one route's broker)."""
 
     broker: Broker
+    observe: RelayMetrics
 
     async def run(self, stop: asyncio.Event | None = None) -> None: ...
 
@@ -96,14 +97,31 @@ class RelayLanes:
                  make: Callable[[Route, Broker], Lane]) -> None:
         self.routes = app.routes.all()
         self.lanes: list[Lane] = []
+        self._published: list[Route] = []
         for route in self.routes:
             broker = app.broker_at(route.url, name)
             if isinstance(broker, PublishingBroker):
                 self.lanes.append(make(route, broker))
+                self._published.append(route)
         self.broker = LanesBroker(BrokerContext(app.engine, app.clock, app.settings, name),
                                   [lane.broker for lane in self.lanes])
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+
+    def info(self, own: Callable[[], dict[str, object]]) -> dict[str, object]:
+        """The relay's registry row figures (``own``) with its lanes': their
+        sums, and each route's under ``routes``."""
+        info = own()
+        lanes = []
+        for route, lane in zip(self._published, self.lanes, strict=True):
+            figures = lane.observe.info()
+            for k in ("claimed", "published", "errors"):
+                info[k] = _count(info.get(k)) + _count(figures.get(k))
+            lanes.append({"route": route.label, "queues": list(route.queues) or "(default)",
+                          **{k: figures.get(k) for k in ("backend", "claimed", "published",
+                                                         "errors")}})
+        info["routes"] = lanes
+        return info
 
     def describe(self) -> str:
         return "; ".join(describe(self.routes))
@@ -143,6 +161,10 @@ class RelayLanes:
             got = await lane.run_pass()
             for f in dataclasses.fields(PassStats):
                 setattr(stats, f.name, getattr(stats, f.name) + getattr(got, f.name))
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) else 0
 
 
 __all__ = ["Lane", "LanesBroker", "RelayLanes"]

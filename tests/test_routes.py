@@ -210,6 +210,9 @@ async def test_relay_lanes_follow_the_routes(tmp_path: Any, redis_keys: Keys) ->
         assert relay.lanes is not None
         (lane,) = relay.lanes.lanes
         assert isinstance(lane.broker, RedisBroker)
+        (shown,) = relay.lanes.info(relay.observe.info)["routes"]  # the registry row's
+        assert shown["backend"] == "redis"
+        assert shown["queues"] == ["emails"]
         with pytest.raises(ConfigurationError, match="shards"):
             Relay(app, shards=ShardConfig(2))
     finally:
