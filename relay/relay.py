@@ -102,7 +102,10 @@ class Relay:
         # made it, which keeps the process's own steps (relay/routes.py).
         self.route = route
         self.lanes: RelayLanes | None = None
-        if broker is None and route is None and app.routes.active:
+        # A relay given its broker serves what it was given, not the app's
+        # routes: it moves no job between routes (self.rerouting).
+        follows_routes = broker is None and route is None
+        if follows_routes and app.routes.active:
             if shards is not None or ShardConfig.from_env() is not None:
                 raise ConfigurationError(
                     "shards: a relay with broker_routes is not sharded (yet); run one relay "
@@ -126,7 +129,7 @@ class Relay:
         # Every mark records the route (core/reroute.py): a queue moved to
         # another broker later has its jobs moved with it (self.rerouting).
         self.published_to = reroute.route_key(self.broker.url)
-        self.rerouting = Rerouting(app, self.batch_size)
+        self.rerouting = Rerouting(app, self.batch_size, active=follows_routes)
         caps = self.broker.capabilities
         max_delay = self.broker.max_delay
         # How far ahead of the broker's ceiling to claim and hold in memory.

@@ -29,8 +29,10 @@ SWEEP_INTERVAL = 60.0
 
 
 class Rerouting:
-    def __init__(self, app: Duebox, batch_size: int, interval: float = SWEEP_INTERVAL) -> None:
+    def __init__(self, app: Duebox, batch_size: int, interval: float = SWEEP_INTERVAL, *,
+                 active: bool = True) -> None:
         self.app = app
+        self.active = active  # False: a relay given its broker, not following the routes
         self.batch_size = batch_size
         self.interval = interval
         self._last = -math.inf
@@ -39,7 +41,8 @@ class Rerouting:
 
     async def step(self) -> int:
         """This pass's share: the number of jobs moved to their queue's route."""
-        if not self.pending and time.monotonic() - self._last < self.interval:
+        if not self.active or (not self.pending
+                               and time.monotonic() - self._last < self.interval):
             return 0
         self._last = time.monotonic()
         moved = await asyncio.to_thread(self._sweep)

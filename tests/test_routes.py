@@ -213,6 +213,11 @@ async def test_relay_lanes_follow_the_routes(tmp_path: Any, redis_keys: Keys) ->
         (shown,) = relay.lanes.info(relay.observe.info)["routes"]  # the registry row's
         assert shown["backend"] == "redis"
         assert shown["queues"] == ["emails"]
+        assert relay.rerouting.active
+        # A relay given its broker serves just that: it moves no job between routes.
+        given = Relay(app, broker=app.broker(queue="emails"))
+        assert given.lanes is None
+        assert not given.rerouting.active
         with pytest.raises(ConfigurationError, match="shards"):
             Relay(app, shards=ShardConfig(2))
     finally:
