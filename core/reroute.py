@@ -21,6 +21,7 @@ database still has on a route other than the queue's current one.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -46,6 +47,14 @@ def route_key(url: str) -> str:
         return key
     scheme = urlsplit(url).scheme or "broker"
     return f"{scheme}://#{hashlib.sha256(key.encode()).hexdigest()}"
+
+
+def fingerprint(routes: Routes) -> str:
+    """A short digest of which route serves which queue, as
+    :func:`route_key` names them: relays on different settings differ."""
+    table = {"": route_key(routes.default),
+             **{q: route_key(u) for q, u in sorted(routes.routed.items())}}
+    return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _stale(route: Route) -> ColumnElement[bool]:
@@ -120,4 +129,5 @@ def enqueued_by_route(conn: Connection, queues: Sequence[str] | None = None
     return {(q, p): int(n) for q, p, n in conn.execute(stmt)}
 
 
-__all__ = ["Leftover", "enqueued_by_route", "leftovers", "reroute", "route_key"]
+__all__ = ["Leftover", "enqueued_by_route", "fingerprint", "leftovers", "reroute",
+           "route_key"]

@@ -180,11 +180,18 @@ class Relay:
         self.refusals = Refusals(app, self.name, self._log)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
-            info=self.observe.info if self.lanes is None
-            else functools.partial(self.lanes.info, self.observe.info),
-            tick=snapshot, tick_interval=collect_interval)
+            info=self._info, tick=snapshot, tick_interval=collect_interval)
         self.recovery = LeaseRecovery(app, self.broker, self.batch_size, self.name,
                                       recover_interval)
+
+    def _info(self) -> dict[str, object]:
+        """This relay's registry row: its figures (with its lanes'), and the
+        routes it follows (relay/rerouting.py)."""
+        info = (self.observe.info() if self.lanes is None
+                else self.lanes.info(self.observe.info))
+        if self.rerouting.active:
+            info["routing"] = self.rerouting.fingerprint
+        return info
 
     @property
     def metrics(self) -> Metrics:

@@ -16,7 +16,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from duebox import reroute
+from duebox import heartbeat, reroute
 from duebox.db import db_errors
 
 if TYPE_CHECKING:
@@ -52,9 +52,26 @@ class Rerouting:
                         "they go to the queue's route now (the old copies are stale)", moved)
         return moved
 
+    @property
+    def fingerprint(self) -> str:
+        """This relay's routes, for its registry row: a peer on other
+        settings leaves the jobs where they are while this one is alive."""
+        return reroute.fingerprint(self.app.routes)
+
     def _sweep(self) -> int:
+        own = self.fingerprint
         with db_errors("reroute"), self.app.engine.begin() as conn:
-            return reroute.reroute(conn, routes=self.app.routes, now=self.app.clock.now(),
+            now = self.app.clock.now()
+            # A relay on other routes (the old settings, mid-deploy) would
+            # move the jobs back each minute: wait until it is gone.
+            others = sorted(p.name for p in heartbeat.alive(conn, now)
+                            if p.role == "relay" and p.info.get("routing") not in (None, own))
+            if others:
+                log.warning("not moving jobs between routes while relay(s) on other routes "
+                            "are alive: %s (stop the relays on the old settings)",
+                            ", ".join(others[:5]))
+                return 0
+            return reroute.reroute(conn, routes=self.app.routes, now=now,
                                    limit=self.batch_size)
 
 

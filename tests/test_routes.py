@@ -19,7 +19,7 @@ from conftest import reset_tables
 from helpers import Running, check_no_early_start, job_row, make_app, schedule_committed
 
 import duebox
-from duebox import reroute
+from duebox import heartbeat, reroute
 from duebox.brokers.amqp import AMQPBroker
 from duebox.brokers.redis import RedisBroker
 from duebox.brokers.routed import RoutedBroker
@@ -272,3 +272,27 @@ def test_long_urls_get_a_digest_key() -> None:
     assert len(key) <= 255
     assert key.startswith("amqp://#")
     assert key != reroute.route_key(url + "x")
+
+
+async def test_sweep_waits_while_a_relay_on_other_routes_is_alive(database_url: str) -> None:
+    """Mid-deploy, a relay on the old settings would move the jobs back each
+    minute: a relay on the new ones leaves them until it is gone."""
+    old = make_app(database_url, "sql://", broker_routes={"emails": "redis://h/0"})
+    new = make_app(database_url, "sql://", broker_routes={"emails": "amqp://h/"})
+    _route_tasks(new, ["emails"])
+    job_id = schedule_committed(new, "effect_emails", delay=60)
+    _enqueue(new, job_id, reroute.route_key("redis://h/0"))
+    old_relay, new_relay = Relay(old), Relay(new)
+    assert old_relay._info()["routing"] != new_relay._info()["routing"]
+    with new.engine.begin() as conn:
+        heartbeat.beat(conn, name="relay:old-one", now=new.clock.now(), ttl=60,
+                       info=old_relay._info())
+    assert await new_relay.rerouting.step() == 0
+    assert job_row(new.engine, job_id).state == "ENQUEUED"
+    with new.engine.begin() as conn:
+        heartbeat.remove(conn, name="relay:old-one")
+    new_relay.rerouting.pending = True  # look again now, not in a minute
+    assert await new_relay.rerouting.step() == 1
+    assert job_row(new.engine, job_id).state == "SCHEDULED"
+    for app in (old, new):
+        app.dispose()
