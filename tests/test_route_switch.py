@@ -137,6 +137,6 @@ async def test_switch_redis_to_amqp_with_1000_jobs(pg_server_url: str, redis_key
     assert runs == {str(i): 1 for i in ids}  # no handler called twice either
     check_no_early_start(old.engine)
     assert new_worker.stats.succeeded > 0
-    print(f"{on_redis} jobs moved from Redis to RabbitMQ; old worker ran "
+    print(f"{on_redis} jobs on Redis at the switch; old worker ran "
           f"{old_worker.stats.succeeded}, discarded {dict(old_worker.stats.discarded)}; "
           f"new worker ran {new_worker.stats.succeeded}")
