@@ -24,6 +24,7 @@ from .dashboard_cmd import dashboard
 from .dlq_cmd import dlq_group
 from .loading import load_app
 from .options import TEXT, F, app_options, errors_as_messages, operator_options
+from .routes_cmd import routes
 from .schedules_cmd import schedules
 
 
@@ -327,6 +328,7 @@ def broker_names(app_spec: str | None, database_url: str | None, broker_url: str
 cli.add_command(dashboard)
 cli.add_command(dlq_group)
 cli.add_command(schedules)
+cli.add_command(routes)
 
 
 def main() -> None:

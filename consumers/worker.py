@@ -112,8 +112,11 @@ class Worker:
     ) -> None:
         self.app = app
         self.name = name or process_token("worker")
-        self.broker = broker or app.broker(self.name)
         self.queues = list(queues) if queues else app.queues
+        # Queues on several routes: one consumer per route's broker, all
+        # feeding this worker's executors (brokers/routed.py).
+        self.broker = broker or app.broker(self.name, queues=self.queues)
+        self._given_broker = broker is not None
         self.concurrency = concurrency or app.settings.concurrency
         # Replaced by the worker's own thread pools while it runs (see Pools).
         self.pools = Pools.default()
@@ -157,7 +160,8 @@ class Worker:
         stop = stop or asyncio.Event()
         for queue in self.queues:  # a worker told to consume what no job can be in
             try:
-                check_queue_name(self.broker.url, queue)
+                check_queue_name(self.broker.url if self._given_broker
+                                 else self.app.routes.url_for(queue), queue)
             except ValidationError as exc:
                 raise ConfigurationError(f"queues: {exc}") from None
         if not await open_broker(self.broker, stop):
@@ -172,7 +176,7 @@ class Worker:
         # (a 60 ms stall made four consecutive jobs late at 100 jobs/s).
         gc.freeze()
         log.info("worker %s started: queues %s on %s, concurrency %d", self.name,
-                 ", ".join(self.queues), redacted(self.app.settings.broker_url),
+                 ", ".join(self.queues), redacted(self.broker.url),
                  self.concurrency)
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
         stopper = asyncio.create_task(stop.wait())

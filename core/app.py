@@ -33,7 +33,15 @@ from .producer import (
     reschedule_steps,
     resolve_due,
 )
-from .registry import broker_class, check_broker_url, check_queue_name, message_limit
+from .registry import (
+    ROUTED_BROKER,
+    broker_class,
+    check_broker_url,
+    check_queue_name,
+    load,
+    message_limit,
+)
+from .routes import Routes
 from .schedules import Schedules
 from .seam import BrokerContext
 from .targets import AsyncTarget, SyncTarget
@@ -76,7 +84,7 @@ class Duebox:
         self._engine = engine
         self._own_engine = engine is None
         self._async_engine: AsyncEngine | None = None
-        self._limit: tuple[tuple[str, int], tuple[int, str]] | None = None
+        self._limits: dict[tuple[str, int], tuple[int, str]] = {}
         self.schedules = Schedules(self)
         # Schedules declared with @app.task(schedule=...), by schedule name:
         # what relays sync into the schedule table at start.
@@ -95,8 +103,9 @@ class Duebox:
         settings = self.settings.with_(**changes)
         check_broker_url(settings.broker_url)
         own_queues.check(settings.broker_url, settings.own_queues)
+        routes = Routes.of(settings.broker_url, settings.routes)
         for task in self.tasks.values():
-            check_queue_name(settings.broker_url, task.queue)
+            check_queue_name(routes.url_for(task.queue), task.queue)
         if settings.database_url != self.settings.database_url and self._own_engine:
             self.dispose()
         self.settings = settings
@@ -126,10 +135,36 @@ class Duebox:
             self._async_engine = None
         self.dispose()
 
-    def broker(self, worker_name: str = "worker") -> Broker:
-        cls = broker_class(self.settings.broker_url)
+    @property
+    def routes(self) -> Routes:
+        """Which broker serves each queue: ``broker_url`` unless
+        ``broker_routes`` names another (docs/brokers.md, "Routing")."""
+        return Routes.of(self.settings.broker_url, self.settings.routes)
+
+    def broker(self, worker_name: str = "worker", *, queue: str | None = None,
+               queues: Sequence[str] | None = None) -> Broker:
+        """A broker object (it connects when opened).  ``queue``: the one
+        that serves this queue's route.  ``queues``: one that consumes all
+        of them, across their routes (a broker per route behind one
+        consumer, when they span several).  Neither: the default route's."""
+        if queue is not None:
+            return self.broker_at(self.routes.url_for(queue), worker_name)
+        if queues is not None:
+            by_url = self.routes.split(queues)
+            if len(by_url) > 1:
+                routed: Broker = load(ROUTED_BROKER)(
+                    [(self.broker_at(url, worker_name), qs) for url, qs in by_url.items()],
+                    BrokerContext(self.engine, self.clock, self.settings, worker_name))
+                return routed
+            if by_url:
+                return self.broker_at(next(iter(by_url)), worker_name)
+        return self.broker_at(self.settings.broker_url, worker_name)
+
+    def broker_at(self, url: str, worker_name: str = "worker") -> Broker:
+        """A broker object for ``url``, one of this app's routes."""
+        cls = broker_class(url)
         ctx = BrokerContext(self.engine, self.clock, self.settings, worker_name)
-        broker: Broker = cls(self.settings.broker_url, ctx)
+        broker: Broker = cls(url, ctx)
         return broker
 
     # --- tasks -------------------------------------------------------------
@@ -170,7 +205,7 @@ class Duebox:
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
-        check_queue_name(self.settings.broker_url, queue)
+        check_queue_name(self.routes.url_for(queue), queue)
         check_task_seconds(timeout=timeout, max_lateness=max_lateness,
                            lease_seconds=lease_seconds)
         if not isinstance(group_commit, bool):
@@ -215,14 +250,16 @@ class Duebox:
 
     # --- producer API ------------------------------------------------------
 
-    def payload_limit(self) -> tuple[int, str]:
+    def payload_limit(self, queue: str | None = None) -> tuple[int, str]:
         """The largest payload plus headers, in bytes of JSON, that schedule()
-        accepts, and where that limit comes from."""
-        url = self.settings.broker_url
-        if self._limit is None or self._limit[0] != (url, self.settings.max_payload_bytes):
-            self._limit = ((url, self.settings.max_payload_bytes),
-                           message_limit(url, self.settings.max_payload_bytes))
-        return self._limit[1]
+        accepts (for ``queue``: on its route's broker), and where that limit
+        comes from."""
+        url = self.settings.broker_url if queue is None else self.routes.url_for(queue)
+        key = (url, self.settings.max_payload_bytes)
+        found = self._limits.get(key)
+        if found is None:
+            found = self._limits[key] = message_limit(url, self.settings.max_payload_bytes)
+        return found
 
     def new_job(
         self,
@@ -245,7 +282,7 @@ class Duebox:
         clock: with the default :class:`DatabaseClock`, the database server's.
         """
         task = self.get_task(name)
-        check_queue_name(self.settings.broker_url, task.queue)
+        check_queue_name(self.routes.url_for(task.queue), task.queue)
         due_at, span = resolve_due(self.clock.now(), at, delay)
         check_optional_str("key", key, 400)
         check_optional_str("tenant", tenant, 200)
@@ -262,7 +299,7 @@ class Duebox:
         if headers is not None:
             headers_json = encode_json(headers, "headers")
             size += json_size(headers_json)
-        check_size(size, *self.payload_limit())
+        check_size(size, *self.payload_limit(task.queue))
         check_json(payload, "payload")
         if headers is not None:
             check_json(headers, "headers")

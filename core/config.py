@@ -7,11 +7,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 from . import own_queues
 from .dispatch_policy import DispatchPolicy
 from .errors import ConfigurationError
+from .routes import check_routes, parse_routes
+from .routes import redacted as redacted  # where it lived first: kept importable
 from .values import MAX_SPAN
 
 DEFAULT_DATABASE_URL = "sqlite:///duebox.db"
@@ -68,6 +69,10 @@ class Settings:
     # no duebox worker is expected for them.  A list of names, or one
     # comma-separated string (DUEBOX_OWN_CONSUMER_QUEUES=emails,sms).
     own_consumer_queues: tuple[str, ...] | str = ()
+    # Per-queue broker routing (docs/brokers.md, "Routing"): queue -> broker
+    # URL, or its text form ``queue=URL,queue=URL`` / a JSON object; queues
+    # not named go through ``broker_url``.
+    broker_routes: Mapping[str, str] | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "own_consumer_queues",
@@ -94,6 +99,15 @@ class Settings:
         for name in ("database_url", "broker_url"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name}: must be a non-empty URL string")
+        routes = parse_routes(self.broker_routes)
+        check_routes(routes)
+        object.__setattr__(self, "broker_routes", routes or None)
+
+    @property
+    def routes(self) -> Mapping[str, str]:
+        """``broker_routes`` as parsed: queue -> broker URL (empty: none)."""
+        routes = self.broker_routes
+        return routes if isinstance(routes, Mapping) else {}
 
     @property
     def own_queues(self) -> tuple[str, ...]:
@@ -153,11 +167,3 @@ def _positive_int(name: str, value: object, upper: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
         raise ConfigurationError(f"{name}: must be an integer from 1 to {upper} (got {value!r})")
 
-
-def redacted(url: str) -> str:
-    """``url`` with its password as ``***``, to print or log."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:  # a port that is not a number: nothing to find
-        return url
-    return url.replace(f":{password}@", ":***@") if password else url

@@ -43,12 +43,13 @@ from .tables import attempt, job
 def mark_enqueued(
     conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
     broker_ids: dict[uuid.UUID, str] | None = None, fence: ColumnElement[bool] | None = None,
-    delivered: Collection[str] = (),
+    delivered: Collection[str] = (), published_to: str | None = None,
 ) -> int:
     """DISPATCHING → ENQUEUED, fenced by the claim's owner token (and by
     ``fence``: a sharded relay's shard generation, still current); jobs of
     the ``delivered`` queues (your own consumer's: core/own_queues.py) →
-    DELIVERED instead."""
+    DELIVERED instead.  ``published_to``: the route the broker that
+    confirmed is (core/reroute.py)."""
     if not ids:
         return 0
     in_order = conn.dialect.name == "postgresql"
@@ -56,18 +57,19 @@ def mark_enqueued(
         total = 0
         for job_id in ids:
             total += conn.execute(
-                _mark_stmt(owner, now, job.c.id == job_id, fence, delivered=delivered).values(
+                _mark_stmt(owner, now, job.c.id == job_id, fence, published_to,
+                           delivered=delivered).values(
                     broker_message_id=broker_ids.get(job_id)
                 )
             ).rowcount
         return total
-    return conn.execute(_mark_stmt(owner, now, job.c.id.in_(list(ids)), fence,
+    return conn.execute(_mark_stmt(owner, now, job.c.id.in_(list(ids)), fence, published_to,
                                    in_id_order=in_order, delivered=delivered)).rowcount
 
 
 def _mark_stmt(owner: str, now: datetime, chosen: ColumnElement[bool],
-               fence: ColumnElement[bool] | None = None, *, in_id_order: bool = False,
-               delivered: Collection[str] = ()) -> Update:
+               fence: ColumnElement[bool] | None = None, published_to: str | None = None, *,
+               in_id_order: bool = False, delivered: Collection[str] = ()) -> Update:
     """The mark of the ``chosen`` rows still DISPATCHING under ``owner``.
 
     ``in_id_order`` (PostgreSQL): the rows are locked in id order first.  A
@@ -84,8 +86,9 @@ def _mark_stmt(owner: str, now: datetime, chosen: ColumnElement[bool],
             select(job.c.id).where(condition).order_by(job.c.id).with_for_update())
     ended = own_queues.finished_at(delivered, now)
     return by_primary_key(update(job).where(condition).values(
-        state=own_queues.mark_state(delivered), published_at=now, lease_owner=None,
-        lease_until=None, updated_at=now, **({} if ended is None else {"finished_at": ended})))
+        state=own_queues.mark_state(delivered), published_at=now, published_to=published_to,
+        lease_owner=None, lease_until=None, updated_at=now,
+        **({} if ended is None else {"finished_at": ended})))
 
 
 def release(conn: Connection, *, owner: str, ids: Sequence[uuid.UUID], now: datetime,
@@ -166,6 +169,7 @@ def mark_and_claim(
     horizon: datetime, limit: int, now: datetime, lease_until: datetime,
     after: datetime | None = None, priority_first: bool = False,
     fence: ColumnElement[bool] | None = None, delivered: Collection[str] = (),
+    published_to: str | None = None,
 ) -> tuple[list[int], list[JobRecord]]:
     """:func:`mark_enqueued` for each ``(owner, ids)`` of ``marks`` (batches
     the broker confirmed), then :func:`claim_for_dispatch`, on the caller's
@@ -182,20 +186,21 @@ def mark_and_claim(
     if conn.dialect.name != "postgresql" or not todo:
         for i in todo:
             counts[i] = mark_enqueued(conn, owner=marks[i][0], ids=marks[i][1], now=now,
-                                      fence=fence, delivered=delivered)
+                                      fence=fence, delivered=delivered,
+                                      published_to=published_to)
         return counts, claims.claim_for_dispatch(
             conn, owner=owner, horizon=horizon, limit=limit, now=now, lease_until=lease_until,
             after=after, priority_first=priority_first, fence=fence)
     first, rest = todo[0], todo[1:]
     for i in rest:
         counts[i] = mark_enqueued(conn, owner=marks[i][0], ids=marks[i][1], now=now,
-                                  fence=fence, delivered=delivered)
+                                  fence=fence, delivered=delivered, published_to=published_to)
     mark_owner, mark_ids = marks[first]
     # One array parameter, not an IN list of 500: the statement text stays
     # the same, so neither SQLAlchemy nor psycopg re-renders or re-parses it.
     ids = bindparam("mark_ids", list(mark_ids), type_=postgresql.ARRAY(job.c.id.type))
-    marked = (_mark_stmt(mark_owner, now, job.c.id == any_(ids), fence, in_id_order=True,
-                         delivered=delivered)
+    marked = (_mark_stmt(mark_owner, now, job.c.id == any_(ids), fence, published_to,
+                         in_id_order=True, delivered=delivered)
               .returning(job.c.id).cte("marked"))
     claim = claims.dispatch_claim(
         owner=owner, horizon=horizon, limit=limit, now=now, lease_until=lease_until,

@@ -323,7 +323,10 @@ class _WithBroker(Protocol):
 
     settings: Any
 
-    def broker(self, worker_name: str = ...) -> Any: ...
+    @property
+    def routes(self) -> Any: ...
+
+    def broker(self, worker_name: str = ..., *, queue: str | None = ...) -> Any: ...
 
 
 def locator(app: _WithBroker) -> Locate:
@@ -332,10 +335,15 @@ def locator(app: _WithBroker) -> Locate:
     cannot be built here (its client library is not installed)."""
     try:
         locate: Locate = app.broker("inspect").locate
+        # A queue routed to another broker (docs/brokers.md, "Routing"): its.
+        routed: dict[str, Locate] = {q: app.broker("inspect", queue=q).locate
+                                     for q in app.routes.routed}
     except (DueboxError, ImportError):
         scheme = urlsplit(app.settings.broker_url).scheme or "configured"
         return lambda job, now: f"in the {scheme} broker"
-    return locate
+    if not routed:
+        return locate
+    return lambda job, now: routed.get(job.queue, locate)(job, now)
 
 
 def where_now(row: JobView, locate: Locate, now: datetime) -> str:

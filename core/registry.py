@@ -23,6 +23,17 @@ BROKERS: dict[str, str] = {
 }
 
 
+# The broker that consumes several routes at once (a worker's queues spread
+# over several brokers): resolved like the backends, when first used.
+ROUTED_BROKER = "duebox.brokers.routed:RoutedBroker"
+
+
+def load(target: str) -> Any:
+    """The object ``"module:attr"`` names (a backend class), imported now."""
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
 def broker_class(url: str) -> Any:
     try:
         scheme = urlsplit(url).scheme.lower() if isinstance(url, str) else ""
@@ -39,9 +50,7 @@ def broker_class(url: str) -> Any:
             f"broker_url: unknown scheme {scheme!r}; known: "
             f"{', '.join(s + '://' for s in sorted(BROKERS))}"
         )
-    module_name, _, attr = target.partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, attr)
+    return load(target)
 
 
 def check_broker_url(url: str) -> None:

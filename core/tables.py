@@ -156,6 +156,9 @@ job = Table(
     _dt("finished_at"),
     # Added by migration 0003 (operating at scale, see docs/scale.md).
     Column("shard", SmallInteger, nullable=False, default=_shard_default),
+    # Added by migration 0008: the broker route the job was last handed to
+    # (core/reroute.py), so a queue moved to another broker can be re-routed.
+    Column("published_to", String(255), nullable=True),
     UniqueConstraint("key", name="uq_duebox_job_key"),
     UniqueConstraint("schedule_id", "nominal_fire_at", name="uq_duebox_job_occurrence"),
     # The claim: state = 'SCHEDULED' AND due_at <= :horizon ORDER BY due_at.
@@ -164,6 +167,8 @@ job = Table(
     Index("ix_duebox_job_state_lease", "state", "lease_until"),
     # The fair claim: one bounded, index-ordered read per (queue, tenant, priority).
     Index("ix_duebox_job_class_due", "state", "queue", "tenant", "priority", "due_at"),
+    # The relay's sweep for jobs left on an old route (core/reroute.py).
+    Index("ix_duebox_job_state_route", "state", "published_to"),
 )
 
 attempt = Table(

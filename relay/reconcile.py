@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,11 @@ _SWEEP_PAGES_PER_PASS = 4
 
 class Reconciler:
     def __init__(self, app: Duebox, broker: Broker, batch_size: int, interval: float,
-                 *, active: bool) -> None:
+                 *, active: bool, covers: Callable[[str], bool] | None = None) -> None:
         self.app = app
+        # A relay lane asks its broker about its route's queues only: another
+        # broker's jobs are not missing from this one.
+        self.covers = covers
         self.broker = broker
         self.batch_size = batch_size
         self.interval = interval
@@ -58,8 +62,9 @@ class Reconciler:
             self.sweeping, self._sweep = True, None
         requeued = 0
         for _ in range(_SWEEP_PAGES_PER_PASS):
-            refs = await asyncio.to_thread(self._page, self._sweep)
-            missing = await self.broker.missing(refs)
+            page = await asyncio.to_thread(self._page, self._sweep)
+            refs = page if self.covers is None else [r for r in page if self.covers(r.queue)]
+            missing = await self.broker.missing(refs) if refs or not page else []
             if missing is None:
                 self.active = self.sweeping = False
                 return 0
@@ -67,10 +72,10 @@ class Reconciler:
                 gone = set(missing)
                 requeued += await asyncio.to_thread(
                     self._requeue, [r for r in refs if r.id in gone])
-            if len(refs) < self.batch_size:
+            if len(page) < self.batch_size:
                 self.sweeping = False
                 break
-            self._sweep = (refs[-1].due_at, refs[-1].id)
+            self._sweep = (page[-1].due_at, page[-1].id)
         if requeued:
             log.warning("%d enqueued jobs were missing from the broker; publishing them again",
                         requeued)

@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from duebox import claims, dispatched, jobstore, tracing
+from duebox import claims, dispatched, jobstore, reroute, routes, tracing
 from duebox.brokers.base import Broker, Outgoing, PublishingBroker, open_broker
 from duebox.config import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
@@ -58,6 +58,8 @@ from .horizon import Horizon
 from .reconcile import Reconciler
 from .recovering import LeaseRecovery
 from .refusals import Refusals
+from .rerouting import Rerouting
+from .routes import RelayLanes
 from .scale import ScaleControls
 from .schedules import ScheduleStep
 from .shards import ShardConfig
@@ -91,14 +93,43 @@ class Relay:
         lead: float | None = None,
         policy: DispatchPolicy | None = None,
         shards: ShardConfig | None = None,
+        route: routes.Route | None = None,
     ) -> None:
         self.app = app
         self.name = name or process_token("relay")
+        self._claims = itertools.count()
+        # A lane: this relay publishes one route's queues for the relay that
+        # made it, which keeps the process's own steps (relay/routes.py).
+        self.route = route
+        self.lanes: RelayLanes | None = None
+        # A relay given its broker serves what it was given, not the app's
+        # routes: it moves no job between routes (self.rerouting).
+        follows_routes = broker is None and route is None
+        if follows_routes and app.routes.active:
+            if shards is not None or ShardConfig.from_env() is not None:
+                raise ConfigurationError(
+                    "shards: a relay with broker_routes is not sharded (yet); run one relay "
+                    "per route's shards with broker= instead, or unset DUEBOX_SHARDS")
+
+            def lane(route: routes.Route, broker: Broker) -> Relay:
+                made = Relay(app, broker=broker, name=self.name, route=route,
+                             batch_size=batch_size, hold_window=hold_window,
+                             reconcile_interval=reconcile_interval, metrics=metrics,
+                             near_window=near_window, lead=lead, policy=policy)
+                made._claims = self._claims  # claim owners stay unique in the process
+                return made
+
+            self.lanes = RelayLanes(app, self.name, lane)
+            broker = self.lanes.broker
         self.broker = broker or app.broker(self.name)
         self.batch_size = batch_size or app.settings.batch_size
         # Absent where workers claim rows from the job table (sql://): then
         # the relay publishes nothing; it recovers, takes over and generates.
         self.publisher = self.broker if isinstance(self.broker, PublishingBroker) else None
+        # Every mark records the route (core/reroute.py): a queue moved to
+        # another broker later has its jobs moved with it (self.rerouting).
+        self.published_to = reroute.route_key(self.broker.url)
+        self.rerouting = Rerouting(app, self.batch_size, active=follows_routes)
         caps = self.broker.capabilities
         max_delay = self.broker.max_delay
         # How far ahead of the broker's ceiling to claim and hold in memory.
@@ -119,7 +150,6 @@ class Relay:
         # relay publishes the jobs of one ordering key in due-time order
         # (Capabilities.ordering).  asyncio.Lock wakes its waiters in order.
         self._publishing = asyncio.Lock()
-        self._claims = itertools.count()
         self.schedules = ScheduleStep(app, self.batch_size, process=self.name)
         self.catchup = CatchUp(app, self.batch_size)
         # Operating at scale (docs/scale.md): fair, rate-limited claims and
@@ -129,12 +159,14 @@ class Relay:
                 f"shards: sharding fences a relay's claim for a broker; on {caps.name}:// "
                 "workers claim rows from the job table themselves and are not sharded "
                 "(SKIP LOCKED partitions the rows between them): pass no shards")
-        self.scale = ScaleControls(app, self.name, policy, shards)
+        self.scale = ScaleControls(app, self.name, policy, shards,
+                                   route=route.where() if route is not None else None)
         self.horizon = Horizon(max_delay=max_delay, hold_window=hold_window,
                                lease_seconds=app.settings.lease_seconds, catchup=self.catchup,
                                scale=self.scale)
         self.reconciler = Reconciler(app, self.broker, self.batch_size, reconcile_interval,
-                                     active=self.publisher is not None)
+                                     active=self.publisher is not None,
+                                     covers=route.covers if route is not None else None)
         # Observability (docs/observability.md): event metrics, the periodic
         # database snapshot and this relay's registry row.
         self.backend = caps.name
@@ -151,9 +183,18 @@ class Relay:
         self.refusals = Refusals(app, self.name, self._log)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="relay", name=self.name, interval=heartbeat_interval,
-            info=self.observe.info, tick=snapshot, tick_interval=collect_interval)
+            info=self._info, tick=snapshot, tick_interval=collect_interval)
         self.recovery = LeaseRecovery(app, self.broker, self.batch_size, self.name,
                                       recover_interval)
+
+    def _info(self) -> dict[str, object]:
+        """This relay's registry row: its figures (with its lanes'), and the
+        routes it follows (relay/rerouting.py)."""
+        info = (self.observe.info() if self.lanes is None
+                else self.lanes.info(self.observe.info))
+        if self.rerouting.active:
+            info["routing"] = self.rerouting.fingerprint
+        return info
 
     @property
     def metrics(self) -> Metrics:
@@ -173,13 +214,8 @@ class Relay:
         stats = PassStats()
         if self._held:  # held jobs now due go first: the rest of the pass takes time
             await self._release_held(stats)
-        if self.recovery.wait() <= 0:
-            for recovered in await self.recovery.step():
-                stats.recovered += recovered.total
-                self.observe.recovered({kind: getattr(recovered, kind) for kind in
-                                        ("dispatching", "running", "dead", "enqueued")})
-            stats.expired += await asyncio.to_thread(self.catchup.sweep)
-        stats.occurrences = await self.schedules.run()
+        if self.route is None:  # a lane leaves the process's steps to its relay
+            await self._own_steps(stats)
         if self.publisher is not None:
             stats.reconciled = await self.reconciler.step()
             if self.scale.shards is not None:
@@ -189,8 +225,22 @@ class Relay:
             await self._pipeline(stats)
             await self._release_held(stats)
             self.scale.observe(self.metrics)
+        if self.lanes is not None and self._timer is None:  # run() runs them side by side
+            await self.lanes.run_pass(stats)
         self.observe.add(stats)
         return stats
+
+    async def _own_steps(self, stats: PassStats) -> None:
+        """The process's steps, whatever the routes: recovery and takeover,
+        too-late jobs, schedule occurrences."""
+        if self.recovery.wait() <= 0:
+            for recovered in await self.recovery.step():
+                stats.recovered += recovered.total
+                self.observe.recovered({kind: getattr(recovered, kind) for kind in
+                                        ("dispatching", "running", "dead", "enqueued")})
+            stats.expired += await asyncio.to_thread(self.catchup.sweep)
+        stats.occurrences = await self.schedules.run()
+        stats.rerouted = await self.rerouting.step()
 
     async def _catch_up(self, stats: PassStats) -> None:
         """Overdue jobs (the backlog after an outage): bounded batches under the
@@ -300,7 +350,8 @@ class Relay:
         fence = self.scale.fence(now)
         with db_errors("mark"), self.app.engine.begin() as conn:
             return [dispatched.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence,
-                                             delivered=self._delivered)
+                                             delivered=self._delivered,
+                                             published_to=self.published_to)
                     for owner, ids in marks]
 
     def _claim(self, owner: str, catchup: int = 0) -> list[jobstore.JobRecord]:
@@ -322,11 +373,13 @@ class Relay:
                     conn, marks=marks, owner=owner, horizon=w.backlog_until, limit=catchup,
                     now=now, lease_until=w.lease_until, priority_first=True, fence=w.fence,
                     delivered=self._delivered,
+                    published_to=self.published_to,
                 )
             limit = self.scale.backpressure.limit(self.batch_size)
             if self.scale.fair is not None:
                 counts = [dispatched.mark_enqueued(conn, owner=o, ids=ids, now=now,
-                                                   fence=w.fence, delivered=self._delivered)
+                                                   fence=w.fence, delivered=self._delivered,
+                                                   published_to=self.published_to)
                           for o, ids in marks]
                 return counts, self.scale.fair.claim(
                     conn, owner=owner, horizon=w.horizon, after=None, now=now,
@@ -336,6 +389,7 @@ class Relay:
                 conn, marks=marks, owner=owner, horizon=w.horizon, limit=limit, now=now,
                 lease_until=w.lease_until, after=w.backlog_until, fence=w.fence,
                 delivered=self._delivered,
+                published_to=self.published_to,
             )
 
     @contextlib.contextmanager
@@ -403,7 +457,8 @@ class Relay:
             return
         marked = await asyncio.to_thread(self._db, dispatched.mark_enqueued, owner, ok,
                                          fence=self.scale.fence(self.app.clock.now()),
-                                         delivered=self._delivered)
+                                         delivered=self._delivered,
+                                         published_to=self.published_to)
         stats.marked += marked
         stats.lost_marks += len(ok) - marked
 
@@ -460,14 +515,15 @@ class Relay:
         release = self._held.next_release()
         if release is not None and self._timer is None:
             waits.append((release - now).total_seconds())
-        if self.reconciler.sweeping or self.schedules.pending:
+        if self.reconciler.sweeping or self.schedules.pending or self.rerouting.pending:
             waits.append(0.0)
         if self.catchup.throttled:
             waits.append(self.catchup.bucket.seconds_until(self.catchup.chunk, now))
         rate_wait = self.scale.wait()
         if self.publisher is not None and self.max_delay is not None:
             with db_errors("next due"), self.app.engine.connect() as conn:
-                due = claims.next_due(conn)
+                due = (claims.next_due(conn) if self.route is None
+                       else routes.next_due(conn, self.route.where()))
             reach = self.horizon.reach()
             if due is not None and reach is not None:
                 due_wait = self.catchup.adjust_wait(due, now, (due - now).total_seconds() - reach)
@@ -488,10 +544,13 @@ class Relay:
         if not await open_broker(self.broker, stop):
             return
         await waker.start()
-        # The liveness lock and registry row come before the first claim.
-        await asyncio.to_thread(self.heartbeat.register)
+        beating = None
+        if self.route is None:  # a lane runs under its relay's registry row
+            # The liveness lock and registry row come before the first claim.
+            await asyncio.to_thread(self.heartbeat.register)
+            beating = asyncio.create_task(self.heartbeat.run(stop),
+                                          name="duebox-relay-heartbeat")
         gc.freeze()  # as the worker does (consumers/worker.py): no long full collections
-        beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-relay-heartbeat")
         self._held.changed = asyncio.Event()  # of this loop: run() may be called again
         self._publishing = asyncio.Lock()
         self._timer = asyncio.create_task(self._fire_held(stop), name="duebox-relay-timer")
@@ -500,12 +559,20 @@ class Relay:
         serving = asyncio.create_task(self.broker.serve_own_queues(self._delivered, stop),
                                       name="duebox-relay-own-queues")
         backoff = 0.1
-        log.info("relay %s started: %s -> %s (max_delay=%s)", self.name,
-                 redacted(self.app.settings.database_url),
-                 redacted(self.app.settings.broker_url), self.max_delay)
+        if self.lanes is not None:
+            self.lanes.start()
+            log.info("relay %s started: %s -> routes: %s", self.name,
+                     redacted(self.app.settings.database_url), self.lanes.describe())
+        else:
+            log.info("relay %s started: %s -> %s (max_delay=%s)", self.name,
+                     redacted(self.app.settings.database_url),
+                     redacted(self.broker.url) if self.route is not None
+                     else redacted(self.app.settings.broker_url), self.max_delay)
         try:
             while not stop.is_set():
                 try:
+                    if self.lanes is not None:
+                        self.lanes.check()
                     await self.run_pass()
                     wait = await asyncio.to_thread(self._seconds_until_next)
                     backoff = 0.1
@@ -525,7 +592,10 @@ class Relay:
         finally:
             serving.cancel()
             await asyncio.wait({serving}, timeout=2.0)
-            await self.heartbeat.stop(beating)
+            if self.lanes is not None:
+                await self.lanes.stop()
+            if beating is not None:
+                await self.heartbeat.stop(beating)
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer

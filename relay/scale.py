@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from sqlalchemy import ColumnElement
+from sqlalchemy import ColumnElement, and_
 
 from duebox import jobstore
 from duebox.dispatch_policy import DispatchPolicy
@@ -33,9 +33,13 @@ log = logging.getLogger("duebox.relay")
 
 class ScaleControls:
     def __init__(self, app: Duebox, name: str, policy: DispatchPolicy | None,
-                 shards: ShardConfig | None) -> None:
+                 shards: ShardConfig | None,
+                 route: ColumnElement[bool] | None = None) -> None:
         self.app = app
         self.name = name
+        # A relay lane's queues (relay/routes.py): every claim and mark
+        # carries the condition, as it carries the shard fence.
+        self.route = route
         self.policy = policy or DispatchPolicy.configured(app.settings)
         self.fair = FairPicker(self.policy) if self.policy.enabled else None
         shards = shards or ShardConfig.from_env()
@@ -48,8 +52,12 @@ class ScaleControls:
     # --- claim -----------------------------------------------------------------------
 
     def fence(self, now: datetime) -> ColumnElement[bool] | None:
-        """The shard fence every claim and mark carries (None: not sharded)."""
-        return self.shards.fence(now) if self.shards is not None else None
+        """The shard fence and route condition every claim and mark carries
+        (None: neither sharded nor a route's lane)."""
+        shard = self.shards.fence(now) if self.shards is not None else None
+        if self.route is None or shard is None:
+            return shard if self.route is None else self.route
+        return and_(shard, self.route)
 
     def reach(self, reach: float | None, hold_window: float) -> float | None:
         """How far ahead of due time (seconds; None: unbounded) the relay

@@ -32,6 +32,7 @@ class PassStats:
     occurrences: int = 0  # schedule occurrences generated
     caught_up: int = 0  # overdue jobs claimed by the rate-limited catch-up claim
     fenced: int = 0  # claimed jobs dropped unpublished: their shard lease was lost
+    rerouted: int = 0  # enqueued jobs moved off a broker that no longer serves their queue
 
 
 @dataclass

@@ -1,0 +1,182 @@
+"""One consumer over several brokers: a worker whose queues are routed to
+more than one backend (docs/brokers.md, "Routing").
+
+Each route's broker is consumed by a task of its own, which opens it (with
+backoff while it is unreachable) and feeds its deliveries into one inbox
+the worker reads, so all routes share the worker's executors and limits.  A
+broker that is down or slow only stops its own feed: its task retries with
+backoff while the others keep delivering.  Each delivery remembers its
+broker, which then acks, rejects or defers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from duebox.errors import ConfigurationError, DueboxError
+from duebox.logs import CollapsedLog, kind_of
+from duebox.routes import redacted
+
+from .base import Broker, BrokerContext, Capabilities, Delivery, Durability, Ordering
+
+if TYPE_CHECKING:
+    from duebox.recovery import EnqueuedRef
+
+log = logging.getLogger("duebox.broker")
+
+# The key in Delivery.extra naming the route a delivery came from.
+_ROUTE = "duebox-route"
+
+
+def _combined(brokers: Sequence[Broker]) -> Capabilities:
+    """What holds across every route: the weakest of each promise."""
+    caps = [b.capabilities for b in brokers]
+    limits = [c.payload_limit for c in caps if c.payload_limit is not None]
+    return Capabilities(
+        name="+".join(c.name for c in caps),
+        max_delay=None,
+        delay_precision=max(c.delay_precision for c in caps),
+        cancel=all(c.cancel for c in caps),
+        ordering=Ordering.NONE,
+        ordering_note="each route's own (see its backend)",
+        durability=Durability.NONE if any(c.durability is Durability.NONE for c in caps)
+        else Durability.BROKER,
+        durability_note="each route's own (see its backend)",
+        payload_limit=min(limits) if limits else None,
+        redelivers_unacked=all(c.redelivers_unacked for c in caps),
+        in_flight_after_cancel="each route's own (see its backend)",
+        # Some route's workers claim rows themselves: never published to.
+        direct_claim=True,
+    )
+
+
+class RoutedBroker(Broker):
+    """The brokers of several routes behind one consumer; built by
+    ``Duebox.broker(queues=...)`` when the queues span several routes."""
+
+    def __init__(self, parts: Sequence[tuple[Broker, Sequence[str]]],
+                 context: BrokerContext) -> None:
+        if len(parts) < 2:
+            raise ConfigurationError("broker_routes: a routed consumer needs two routes or more")
+        self.parts = [(b, list(qs)) for b, qs in parts]
+        self.capabilities = _combined([b for b, _ in self.parts])
+        self._registry_changed: Callable[[], None] | None = None
+        super().__init__("routes://", context)
+        self.url = " + ".join(redacted(b.url) for b, _ in self.parts)
+        self._opened = [False] * len(self.parts)
+        self._log = CollapsedLog(log)
+
+    # The worker tells its broker how to poke the registry; each route's
+    # broker must know (Kafka's member id changes on a rebalance).
+    @property
+    def registry_changed(self) -> Callable[[], None] | None:
+        return self._registry_changed
+
+    @registry_changed.setter
+    def registry_changed(self, poke: Callable[[], None] | None) -> None:
+        self._registry_changed = poke
+        for b, _ in getattr(self, "parts", ()):
+            b.registry_changed = poke
+
+    def broker_for(self, queue: str) -> Broker:
+        for b, qs in self.parts:
+            if queue in qs:
+                return b
+        return self.parts[0][0]
+
+    async def open(self) -> None:
+        """Nothing here: each route's feed opens its own broker, so one that
+        is unreachable does not keep the others from starting."""
+
+    async def close(self) -> None:
+        for b, _ in self.parts:
+            with contextlib.suppress(Exception):
+                await b.close()
+
+    async def consume(self, queues: Sequence[str], prefetch: int,
+                      wanted: Callable[[], int] | None = None) -> AsyncIterator[Delivery]:
+        # One slot: a feed hands over a delivery only as the worker takes
+        # one, so each route's own prefetch still bounds what it holds.
+        inbox: asyncio.Queue[Delivery | ConfigurationError] = asyncio.Queue(maxsize=1)
+        wanted_queues = set(queues)
+        feeds = [asyncio.create_task(self._feed(i, b, [q for q in qs if q in wanted_queues],
+                                                prefetch, wanted, inbox),
+                                     name=f"duebox-route-{b.capabilities.name}")
+                 for i, (b, qs) in enumerate(self.parts)
+                 if any(q in wanted_queues for q in qs)]
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, ConfigurationError):
+                    raise item
+                yield item
+        finally:
+            for t in feeds:
+                t.cancel()
+            await asyncio.gather(*feeds, return_exceptions=True)
+
+    async def _feed(self, index: int, broker: Broker, queues: list[str], prefetch: int,
+                    wanted: Callable[[], int] | None,
+                    inbox: asyncio.Queue[Delivery | ConfigurationError]) -> None:
+        """Consume one route for good: an outage of its broker is logged and
+        retried after a jittered backoff; a configuration error ends the
+        worker (it would fail the same way every time)."""
+        backoff = 0.2
+        name = broker.capabilities.name
+        while True:
+            try:
+                if not self._opened[index]:
+                    await broker.open()
+                    self._opened[index] = True
+                async for delivery in broker.consume(queues, prefetch, wanted):
+                    delivery.extra[_ROUTE] = index
+                    await inbox.put(delivery)
+                    backoff = 0.2
+            except ConfigurationError as exc:
+                await inbox.put(exc)
+                return
+            except Exception as exc:
+                wait = backoff * (0.5 + random.random())
+                self._log.warning(f"route:{index}:{kind_of(exc)}",
+                                  "route %s (%s) failed (%s: %s); retrying in %.1fs", name,
+                                  redacted(broker.url), type(exc).__name__, exc, wait,
+                                  exc_info=not isinstance(exc, DueboxError))
+                await asyncio.sleep(wait)
+                backoff = min(backoff * 2, 10.0)
+
+    def _of(self, delivery: Delivery) -> Broker:
+        return self.parts[int(delivery.extra.get(_ROUTE, 0))][0]
+
+    async def ack(self, delivery: Delivery) -> None:
+        await self._of(delivery).ack(delivery)
+
+    async def reject(self, delivery: Delivery, reason: str) -> None:
+        await self._of(delivery).reject(delivery, reason)
+
+    async def defer(self, delivery: Delivery, seconds: float) -> bool:
+        return await self._of(delivery).defer(delivery, seconds)
+
+    async def cancel(self, job_ids: Sequence[uuid.UUID]) -> int:
+        return sum([await b.cancel(job_ids) for b, _ in self.parts])
+
+    async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
+        return sum([await b.take_over(worker, info) for b, _ in self.parts])
+
+    def registry_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        for b, _ in self.parts:
+            info.update(b.registry_info())
+        return info
+
+    def locate(self, job: EnqueuedRef, now: datetime) -> str:
+        return self.broker_for(job.queue).locate(job, now)
+
+
+__all__ = ["RoutedBroker"]
