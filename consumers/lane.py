@@ -185,6 +185,8 @@ class Lane:
         for i, entry in enumerate(batch):
             if i not in handled:
                 self._usual(entry.delivery)
+        if len(settled) > 1:  # run in one transaction with others: a group
+            self.executors.on_group(len(settled))
         for i, rec, outcome, started in settled:
             self._settle(batch[i].delivery, rec, outcome, started)
         try:
