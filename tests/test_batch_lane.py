@@ -208,7 +208,9 @@ async def test_jobs_with_an_ordering_key_keep_the_usual_path(server_url: str,
                      what="all 10 keyed jobs to succeed")
     assert r.worker_total("laned") == 0
     ran = [c for c, _ in app.calls.log]  # type: ignore[attr-defined]
-    assert ran == [str(j) for j in ids]  # in due order, one at a time per key
+    # Each once.  (Their order is the usual path's, tested with the
+    # backends' ordering contracts.)
+    assert sorted(ran) == sorted(str(j) for j in ids)
 
 
 def test_the_lane_runs_only_where_it_is_safe(redis_keys: Keys, tmp_path: Any) -> None:

@@ -98,6 +98,15 @@ def _downgrade(engine: sa.Engine, revision: str) -> None:
         command.downgrade(cfg, revision)
 
 
+def _due_at(engine: sa.Engine, job_id: uuid.UUID) -> datetime:
+    """The job's due time, read with only that column: an older schema lacks
+    the columns later migrations add to the model."""
+    with engine.connect() as conn:
+        due: datetime = conn.execute(
+            sa.select(job.c.due_at).where(job.c.id == job_id)).scalar_one()
+    return due
+
+
 def _insert_old_job(engine: sa.Engine, due_at: datetime) -> uuid.UUID:
     """A job row as a 0003 schema holds it (only the columns without defaults)."""
     old = sa.table("duebox_job", sa.column("id", sa.Uuid()), *(sa.column(c) for c in (
@@ -193,7 +202,7 @@ def test_an_upgraded_database_matches_a_fresh_one(new_database: Callable[[], str
         assert _columns(upgraded) != _columns(fresh)
         whole = T0 + timedelta(microseconds=700_000)
         job_id = _insert_old_job(upgraded, whole)
-        assert job_row(upgraded, job_id).due_at == T0  # what 0003 did to it
+        assert _due_at(upgraded, job_id) == T0  # what 0003 did to it
         migrate.upgrade(upgraded)
         duebox.metadata.create_all(declared)
 
