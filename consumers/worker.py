@@ -55,6 +55,7 @@ from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
 from .lane import Lane
+from .lane_runs import LaneRuns
 from .starts import Starts
 from .turns import Turn, Turns
 
@@ -89,6 +90,8 @@ class WorkerStats:
     deferred: int = 0
     grouped: int = 0  # jobs run in a group-commit transaction with others
     laned: int = 0  # jobs run by the batch lane (consumers/lane.py)
+    # Of those, jobs the lane locked due itself (sql://): no claim written.
+    direct: int = 0
     # Handlers called a second time because their group's transaction was
     # lost after they ran (consumers/group_commit.py says when that happens).
     reran: int = 0
@@ -137,9 +140,11 @@ class Worker:
         self._in_hand = 0
         self._turns = Turns()  # handlers of one ordering key start in arrival order
         # Due deliveries of groupable tasks, run in batches (consumers/lane.py).
-        self.lane = (Lane(self.name, self.broker, app.tasks, self.executors, lambda: self.pools,
-                          self.group_commit, usual=lambda d: self._spawn(d, None),
-                          settle=self._settled, done=self._left)
+        self.lane = (Lane(self.name, self.broker, LaneRuns(app, self.executors),
+                          lambda: self.pools, self.group_commit,
+                          usual=lambda d: self._spawn(d, None), settle=self._settled,
+                          done=self._left, queues=self.queues, clock=app.clock,
+                          poll=app.settings.poll_interval)
                      if Lane.enabled(self.broker, app.engine.dialect.name, self.concurrency,
                                      self.group_commit) else None)
         self._room = asyncio.Event()
@@ -179,6 +184,9 @@ class Worker:
                  ", ".join(self.queues), redacted(self.broker.url),
                  self.concurrency)
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
+        # sql://: the lane locks due rows itself while it leads (consumers/lane.py).
+        pulling = (asyncio.create_task(self.lane.pull(), name="duebox-lane-pull")
+                   if self.lane is not None and self.lane.claims is not None else None)
         stopper = asyncio.create_task(stop.wait())
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")
         try:
@@ -188,6 +196,10 @@ class Worker:
         finally:
             consumer.cancel()
             stopper.cancel()
+            if pulling is not None:
+                pulling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pulling
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
             # Jobs taken in but not started by an executor go back now, not
@@ -462,11 +474,12 @@ class Worker:
                             else str(outcome.failure_class))
         self._account(rec, outcome, started)
 
-    def _settled(self, delivery: Delivery, rec: jobstore.JobRecord, outcome: Outcome,
+    def _settled(self, delivery: Delivery | None, rec: jobstore.JobRecord, outcome: Outcome,
                  started: datetime) -> None:
-        """A delivery the batch lane ran."""
+        """A job the batch lane ran (a delivery's, or a due row it locked)."""
         self.stats.received += 1
         self.stats.laned += 1
+        self.stats.direct += delivery is None
         self._received.inc()
         self._account(rec, outcome, started)
 

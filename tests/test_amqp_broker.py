@@ -894,3 +894,42 @@ async def test_sigkilled_worker_messages_are_redelivered_and_deduplicated(
     # a slow machine, already recovered and ran it; either way once.
     assert second.stats.received >= 2
     check_no_early_start(app.engine)
+
+
+async def test_acking_many_never_acks_a_delivery_still_in_hand(amqp_url: str) -> None:
+    """``ack_many`` turns the run of the lowest unsettled tags into one
+    ``multiple`` ack, which acks *every* unsettled tag up to it: a delivery
+    still being handled inside that range must not be acked with them.  Ten
+    messages in hand, three batches acked out of order (one with deliveries
+    in hand between its tags), the consumer's connection closed: exactly the
+    unacked ones are back in the queue."""
+    q = unique()
+    pub, con = broker(amqp_url, "pub"), broker(amqp_url, "con")
+    await pub.declare([q])
+    sent = [message(q, n=i) for i in range(10)]
+    assert all(r.ok for r in await pub.publish([Outgoing(m, 0.0) for m in sent]))
+    got: list[Delivery] = []
+
+    async def take() -> None:
+        async for d in con.consume([q], 50):
+            got.append(d)
+
+    taker = asyncio.create_task(take())
+    try:
+        await until(lambda: len(got) >= 10, seconds=15, what="10 deliveries")
+        by_n = {d.message.payload["n"]: d for d in got if d.message is not None}
+        await con.ack_many([by_n[2], by_n[0], by_n[1]])  # the lowest run: one multiple ack
+        await con.ack_many([by_n[4], by_n[6]])  # 3 and 5 still in hand between them
+        await con.ack_many([by_n[9]])
+    finally:
+        taker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await taker
+        await con.close()  # what is unacked goes back to the queue
+        await pub.close()
+    back = []
+    with admin(amqp_url) as ch:
+        name = broker(amqp_url).queue_name(q)
+        while (m := ch.basic_get(name, auto_ack=True))[0] is not None:
+            back.append(JobMessage.decode(m[2]).payload["n"])
+    assert sorted(back) == [3, 5, 7, 8]
