@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from duebox.errors import BrokerError, ConfigurationError, MissingDependencyError
 from duebox.logs import collapse_library_logs
-from duebox.message import JobMessage
+from duebox.message import HEADER_DUE_AT, JobMessage
 
 try:
     import pika
@@ -31,6 +31,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("pika", "rabbitmq") from exc
 
+from .amqp_pack import HEADER_PACK
 from .amqp_topology import ExchangeBind, ExchangeDecl, Op, QueueBind, QueueDecl, Route
 
 # pika logs each failed connection attempt at ERROR in some nine lines: a
@@ -85,6 +86,20 @@ def properties(msg: JobMessage, route: Route) -> Any:
         timestamp=int(time.time()),
         type=msg.task,
         headers={**msg.header_map(), **route.headers},
+    )
+
+
+def pack_properties(messages: Sequence[JobMessage], route: Route) -> Any:
+    """A pack's properties (brokers/amqp_pack.py): persistent, and headers
+    saying how many jobs it carries, due by the last one's due time."""
+    return pika.BasicProperties(
+        content_type="application/json",
+        delivery_mode=2,  # persistent
+        message_id=f"pack:{messages[0].job_id}",
+        timestamp=int(time.time()),
+        type="duebox-pack",
+        headers={HEADER_PACK: str(len(messages)),
+                 HEADER_DUE_AT: max(m.due_at for m in messages).isoformat(), **route.headers},
     )
 
 

@@ -158,6 +158,12 @@ class Broker(abc.ABC):
     async def ack(self, delivery: Delivery) -> None:  # noqa: B027 - optional hook
         """The job reached a final or rescheduled state: drop the message."""
 
+    def release(self, delivery: Delivery) -> None:  # noqa: B027 - an optional hook
+        """The worker took ``delivery`` but will never handle it (it is
+        stopping).  The default leaves it unacknowledged: the broker hands it
+        on when the consumer's connection closes, or after its visibility or
+        claim timeout."""
+
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         """:meth:`ack` each of these, in as few calls as the backend can (the
         batch lane settles many at once).  The default acks them together."""

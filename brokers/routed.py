@@ -157,6 +157,9 @@ class RoutedBroker(Broker):
     async def ack(self, delivery: Delivery) -> None:
         await self._of(delivery).ack(delivery)
 
+    def release(self, delivery: Delivery) -> None:
+        self._of(delivery).release(delivery)
+
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         by_route: dict[int, list[Delivery]] = {}
         for d in deliveries:

@@ -89,6 +89,8 @@ class _LaneSide(LaneClaims):
 
     def changed(self) -> None:
         self.broker.relook.set()
+        if self.broker.registry_changed is not None:  # the worker's row says who claims
+            self.broker.registry_changed()
 
     def adopt(self, records: Sequence[jobstore.JobRecord], claimed_at: datetime) -> None:
         self.broker.adopt(records, claimed_at)

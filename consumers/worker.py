@@ -247,9 +247,13 @@ class Worker:
             try:
                 async for delivery in self.broker.consume(self.queues, self.prefetch,
                                                             wanted=self.wanted):
-                    while self._in_hand >= self.wanted():
-                        self._room.clear()
-                        await self._room.wait()
+                    try:
+                        while self._in_hand >= self.wanted():
+                            self._room.clear()
+                            await self._room.wait()
+                    except asyncio.CancelledError:  # stopping: never handled here
+                        self.broker.release(delivery)
+                        raise
                     self._in_hand += 1
                     self._log.flush()  # counts of errors that stopped a while ago
                     if self.lane is not None and self.lane.take(delivery, self.app.clock.now()):
@@ -514,7 +518,14 @@ class Worker:
                 "concurrency": self.concurrency, "received": st.received,
                 "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
                 "throttled": st.throttled, "lease_lost": st.lease_lost,
-                **self.broker.registry_info()}
+                "laned": st.laned, **self._lane_info(), **self.broker.registry_info()}
+
+    def _lane_info(self) -> dict[str, Any]:
+        """sql://: whether the batch lane claims due jobs itself right now,
+        and how many it ran so (docs/worker.md, "The batch lane")."""
+        claims = self.lane.claims if self.lane is not None else None
+        return {} if claims is None else {"lane_leads": claims.leading,
+                                           "direct": self.stats.direct}
 
     def _queue_metrics(self, queue: str) -> tuple[Any, Any, Any, Any, Any]:
         """The per-queue metric children every job touches (start lateness,
