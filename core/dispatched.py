@@ -35,7 +35,7 @@ from sqlalchemy.sql import Update
 from . import claims, own_queues
 from .failures import SystemFailure
 from .ids import uuid7
-from .records import ROW_COLUMNS, JobRecord, by_primary_key, records
+from .records import DISPATCH_COLUMNS, JobRecord, by_primary_key, dispatch_records
 from .states import JobState
 from .tables import attempt, job
 
@@ -205,17 +205,18 @@ def mark_and_claim(
     claim = claims.dispatch_claim(
         owner=owner, horizon=horizon, limit=limit, now=now, lease_until=lease_until,
         after=after, priority_first=priority_first, fence=fence)
-    claimed = claim.returning(*ROW_COLUMNS).cte("claimed")
+    claimed = claim.returning(*DISPATCH_COLUMNS).cte("claimed")
     # Outer-joined to one row, so the mark's count comes back when nothing
     # was claimed; PostgreSQL runs every data-modifying CTE to completion
     # whether or not the outer query reads it.
     one = select(literal(1).label("one")).subquery("one")
     n_marked = select(func.count()).select_from(marked).scalar_subquery()
-    stmt = (select(n_marked.label("n_marked"), *(claimed.c[c.name] for c in ROW_COLUMNS))
+    stmt = (select(n_marked.label("n_marked"), *(claimed.c[c.name] for c in DISPATCH_COLUMNS))
             .select_from(one.outerjoin(claimed, true())))
     rows = conn.execute(stmt).all()
     counts[first] = int(rows[0][0]) if rows else 0
-    claimed_records = records([row[1:] for row in rows if row[1] is not None])
+    claimed_records = dispatch_records([row[1:] for row in rows if row[1] is not None],
+                                       "postgresql")
     # As UUIDs compare, without their __lt__.
     claimed_records.sort(key=lambda r: (r.due_at, r.id.int))
     return counts, claimed_records
