@@ -191,8 +191,8 @@ class JobMessage:
     payload: Any = None
     headers: dict[str, Any] = field(default_factory=dict)
     # The id and the due time as text, made on first use: a publish writes
-    # both into the body, the headers and the record key of one message
-    # (``str(UUID)`` and ``isoformat()`` were a tenth of a relay's CPU).
+    # them into the body, the headers and the record key of one message,
+    # which made ``str(UUID)`` and ``isoformat()`` two or three times each.
     _texts: tuple[str, str] | None = field(default=None, init=False, repr=False,
                                            compare=False)
 
@@ -211,10 +211,11 @@ class JobMessage:
     def encode(self) -> bytes:
         """The JSON body: the envelope's fields in a fixed order, compact.
 
-        Written out field by field rather than through a dict and the
-        encoder (a third of the cost); the result is byte for byte what
-        :meth:`_encode_dict` gives, which tests/test_message_encode.py checks.
-        Anything but the exact types duebox writes takes the general path."""
+        Written out field by field rather than as a dict through
+        ``JSONEncoder.encode``, which sets up a new C encoder for every call
+        (most of the cost of a small message); the result is byte for byte
+        what :meth:`_encode_dict` gives, as tests/test_message_encode.py
+        checks.  Anything but the exact types duebox writes takes that path."""
         if not (type(self.task) is str and type(self.queue) is str
                 and type(self.version) is int and type(self.attempt) is int):
             return self._encode_dict()
