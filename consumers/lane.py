@@ -74,8 +74,10 @@ from .lane_runs import DueBatch, LaneResult, LaneRuns
 log = logging.getLogger("duebox.worker")
 
 # (delivery — none for a job the lane locked itself —, its job's record,
-# outcome, handler start): one settled entry.
-Settle = Callable[[Delivery | None, jobstore.JobRecord, Outcome, datetime], None]
+# outcome, handler start): one settled entry; a batch's are accounted for
+# together.
+Settled = tuple[Delivery | None, jobstore.JobRecord, Outcome, datetime]
+Settle = Callable[[Sequence[Settled]], None]
 
 
 @dataclass(eq=False, slots=True)
@@ -217,8 +219,8 @@ class Lane:
                 self._usual(entry.delivery)
         if len(settled) > 1:  # run in one transaction with others: a group
             self.executors.on_group(len(settled))
-        for i, rec, outcome, started in settled:
-            self._settle(batch[i].delivery, rec, outcome, started)
+        self._settle([(batch[i].delivery, rec, outcome, started)
+                      for i, rec, outcome, started in settled])
         try:
             await self.broker.ack_many([batch[i].delivery for i, *_ in settled])
         finally:
@@ -272,8 +274,7 @@ class Lane:
                 claims.leads(False)  # mostly not the lane's jobs: the claimer takes them
         if len(batch.settled) > 1:
             self.executors.on_group(len(batch.settled))
-        for _, rec, outcome, started in batch.settled:
-            self._settle(None, rec, outcome, started)
+        self._settle([(None, rec, outcome, started) for _, rec, outcome, started in batch.settled])
         self._pull_batches(claims)
 
     async def drain(self) -> None:

@@ -45,7 +45,7 @@ from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
 from duebox.message import JobMessage, check_stored_payload
-from duebox.metrics import Metrics, process_metrics, seconds
+from duebox.metrics import Metrics, observe_many, process_metrics, seconds
 from duebox.registry import check_queue_name
 from duebox.states import Discard
 from duebox.tasks import Task
@@ -54,7 +54,7 @@ from duebox.timing import EARLY_HOLD, EXECUTOR_HOLD_MOST, REREAD_LEAD
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
-from .lane import Lane
+from .lane import Lane, Settled
 from .lane_runs import LaneRuns
 from .starts import Starts
 from .turns import Turn, Turns
@@ -478,14 +478,32 @@ class Worker:
                             else str(outcome.failure_class))
         self._account(rec, outcome, started)
 
-    def _settled(self, delivery: Delivery | None, rec: jobstore.JobRecord, outcome: Outcome,
-                 started: datetime) -> None:
-        """A job the batch lane ran (a delivery's, or a due row it locked)."""
-        self.stats.received += 1
-        self.stats.laned += 1
-        self.stats.direct += delivery is None
-        self._received.inc()
-        self._account(rec, outcome, started)
+    def _settled(self, batch: Sequence[Settled]) -> None:
+        """Jobs one batch of the lane ran (deliveries', or due rows it
+        locked): succeeded ones are observed together, per queue (two
+        histograms and a counter per job, one at a time, were a tenth of
+        the worker's time per job); the rest one by one."""
+        st = self.stats
+        n = len(batch)
+        st.received += n
+        st.laned += n
+        self._received.inc(n)
+        by_queue: dict[str, list[tuple[jobstore.JobRecord, datetime]]] = {}
+        for delivery, rec, outcome, started in batch:
+            st.direct += delivery is None
+            if outcome.status is RunStatus.SUCCEEDED:
+                by_queue.setdefault(rec.queue, []).append((rec, started))
+            else:
+                self._account(rec, outcome, started)
+        finished = self.app.clock.now()
+        for queue, done in by_queue.items():
+            lateness, queue_wait, ran, succeeded, end_to_end = self._queue_metrics(queue)
+            observe_many(lateness, [seconds(started, rec.due_at) for rec, started in done])
+            observe_many(queue_wait, [seconds(started, _available(rec)) for rec, started in done])
+            observe_many(ran, [seconds(finished, started) for _, started in done])
+            observe_many(end_to_end, [seconds(finished, rec.due_at) for rec, _ in done])
+            succeeded.inc(len(done))
+            st.succeeded += len(done)
 
     def _account(self, rec: jobstore.JobRecord, outcome: Outcome, started: datetime) -> None:
         if outcome.status is RunStatus.RELEASED:  # stopping: given back, never started
@@ -543,10 +561,7 @@ class Worker:
     def _observe_start(self, rec: jobstore.JobRecord, started: datetime) -> None:
         lateness, queue_wait, *_ = self._queue_metrics(rec.queue)
         lateness.observe(seconds(started, rec.due_at))
-        available = rec.due_at
-        if rec.published_at is not None and rec.published_at > available:
-            available = rec.published_at
-        queue_wait.observe(seconds(started, available))
+        queue_wait.observe(seconds(started, _available(rec)))
 
     def _observe_outcome(self, rec: jobstore.JobRecord, outcome: Outcome,
                          started: datetime) -> None:
@@ -570,6 +585,13 @@ class Worker:
                 m.retried.labels(b, q).inc()
             elif outcome.status is RunStatus.DEAD:
                 m.dead.labels(b, q, cls).inc()
+
+
+def _available(rec: jobstore.JobRecord) -> datetime:
+    """When the job could first be started: due, and handed to the broker."""
+    if rec.published_at is not None and rec.published_at > rec.due_at:
+        return rec.published_at
+    return rec.due_at
 
 
 async def _hold_until(clock: Clock, due_at: datetime) -> None:

@@ -35,6 +35,7 @@ from helpers import (
 )
 
 import duebox
+from duebox.metrics import Metrics
 from duebox.tables import job
 
 pytestmark = pytest.mark.usefixtures("roomy_group_budget")
@@ -87,7 +88,9 @@ def _unclaimed(app: duebox.Duebox, ids: list[uuid.UUID]) -> int:
 async def test_a_due_backlog_runs_with_no_claim_written(server_url: str) -> None:
     app = make_app(server_url)
     ids = _due(app, 300)
-    async with Running(app, relays=1, workers=1, concurrency=4) as r:
+    metrics = Metrics()
+    async with Running(app, relays=1, workers=1, concurrency=4,
+                       worker_kw={"metrics": metrics}) as r:
         _known_short(r, "effect")
         await r.wait(lambda: all_final(app.engine, ids), timeout=60,
                      what="all 300 jobs to succeed")
@@ -99,6 +102,15 @@ async def test_a_due_backlog_runs_with_no_claim_written(server_url: str) -> None
     calls = [c for c, _ in app.calls.log]  # type: ignore[attr-defined]
     assert sorted(calls) == sorted(str(j) for j in ids)  # each handler called once
     assert len(effect_rows(app.engine)) == 300
+    # Every job observed once, whichever path ran it (the lane observes a
+    # batch's jobs together).
+    labels = {"backend": "sql", "queue": "default"}
+    value = metrics.registry.get_sample_value
+    assert value("duebox_jobs_succeeded_total", labels) == 300
+    for histogram in ("duebox_start_lateness_seconds", "duebox_queue_wait_seconds",
+                      "duebox_end_to_end_latency_seconds"):
+        assert value(f"{histogram}_count", labels) == 300, histogram
+        assert value(f"{histogram}_bucket", {**labels, "le": "+Inf"}) == 300, histogram
     for job_id in ids:
         row = job_row(app.engine, job_id)
         assert (row.state, row.attempt, row.lease_owner) == ("SUCCEEDED", 1, None)
