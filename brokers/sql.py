@@ -279,6 +279,13 @@ class SQLBroker(Broker):
             wait = 0.05
         return records, wait
 
+    async def close(self) -> None:
+        """Jobs the lane leased after consumption ended are given back
+        before the worker goes (else their leases, or the worker's death,
+        would have to return them)."""
+        if self._giving_back:
+            await asyncio.wait(set(self._giving_back), timeout=10.0)
+
     def lane_claims(self) -> LaneClaims | None:
         return self._lane
 
