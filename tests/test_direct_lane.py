@@ -241,13 +241,25 @@ async def test_the_lane_hands_back_when_most_due_jobs_are_not_its_own(
         r.workers[0].executors.task_pace["noop"] = 60.0
         claims = r.workers[0].broker.lane_claims()
         assert claims is not None
+        turns: list[bool] = []
+        leads = claims.leads
+
+        def recorded(on: bool) -> None:
+            turns.append(on)
+            leads(on)
+
+        claims.leads = recorded  # type: ignore[method-assign]
         first = _due(app, 40)
         await r.wait(lambda: all_final(app.engine, first), timeout=60,
                      what="the short jobs to succeed")
         assert claims.leading
+        turns.clear()
         slow = _due(app, 40, "noop")
         await r.wait(lambda: all_final(app.engine, slow), timeout=60,
                      what="the other task's jobs to succeed")
-        assert not claims.leading
+    # The lane let go once it had locked a batch mostly of the other task's
+    # jobs (it may lead again later: a task's pace is learnt as it runs).
+    assert turns[:1] == [False], turns
+    assert all(job_row(app.engine, j).claimed_at is not None for j in slow)
     calls = [c for c, _ in app.calls.log]  # type: ignore[attr-defined]
     assert sorted(calls) == sorted(str(j) for j in first + slow)
