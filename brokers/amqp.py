@@ -27,24 +27,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from duebox.errors import BrokerError, DueboxError, ValidationError
+from duebox.errors import BrokerError, DueboxError, MessageDecodeError, ValidationError
 from duebox.logs import CollapsedLog
+from duebox.message import JobMessage
 
+from . import amqp_pack
 from .amqp_link import (
     Channel,
     Link,
     Publisher,
     chan_code,
     describe,
+    pack_properties,
     pika_logs_without,
     pika_parameters,
     properties,
 )
+from .amqp_pack import HEADER_PACK
 from .amqp_settings import OWN_PARAMS, AMQPSettings, topology_of
 from .amqp_topology import MAX_DELAY_MS, ExchangeDecl, check_queue_name, delay_ms, tier_at
 from .base import (
@@ -57,6 +62,7 @@ from .base import (
     Outgoing,
     PublishingBroker,
     PublishResult,
+    buffer_size,
     parse_params,
     refused,
 )
@@ -113,6 +119,11 @@ class AMQPBroker(PublishingBroker):
         # Consumer channels whose consumption ended, kept open for the acks
         # of the deliveries still being handled (see _stop_consuming).
         self._retired: list[Channel] = []
+        # Jobs per message delivered lately (packs: more than one), smoothed:
+        # the prefetch, counted in messages, is sized by it.
+        self._per_message = 1.0
+        # Packs being given back by a consumer that stopped (_settle_pack).
+        self._settling: set[asyncio.Task[None]] = set()
 
     @classmethod
     def check_queue_name(cls, url: str, name: str) -> None:
@@ -126,6 +137,8 @@ class AMQPBroker(PublishingBroker):
         await self._connected()
 
     async def close(self) -> None:
+        if self._settling:  # packs given back: their jobs published again first
+            await asyncio.wait(set(self._settling), timeout=self.confirm_timeout)
         link, self._link = self._link, None
         self._admin = self._publisher = None
         self._retired.clear()
@@ -238,46 +251,68 @@ class AMQPBroker(PublishingBroker):
         pub = await self._publishing()
         plugin = bool(self.plugin)
         results: list[PublishResult | None] = [None] * len(batch)
-        waiting: list[tuple[int, asyncio.Future[str | None]]] = []
-        for i, out in enumerate(batch):
-            if i and i % _YIELD_EVERY == 0:
+        # Due jobs of one queue go out together (brokers/amqp_pack.py); their
+        # envelopes are encoded once, here.
+        own = self.context.settings.own_queues
+        bodies = [o.message.encode() if o.delay <= 0 and o.message.queue not in own else None
+                  for o in batch]
+        waiting: list[tuple[list[int], asyncio.Future[str | None]]] = []
+        for n, unit in enumerate(amqp_pack.units(batch, bodies, self.settings.pack, own)):
+            if n and n % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let pika write what is encoded so far
-            msg = out.message
+            msg = batch[unit[0]].message
             refusal = queue_errors.get(msg.queue)
             if refusal is None:
                 try:
-                    # The delay counts from when the broker enqueues the message,
-                    # which is after this moment: time spent since the relay
-                    # computed it (>= ``start``) can come off, never more.
-                    delay = out.delay - (time.monotonic() - start) if out.delay > 0 else 0.0
-                    route = self.topology.route(msg.queue, delay, plugin)
-                    body = msg.encode()
-                    if len(body) > PAYLOAD_LIMIT:
-                        raise ValidationError("payload", f"must encode to at most "
-                                              f"{PAYLOAD_LIMIT} bytes on RabbitMQ", len(body))
-                    waiting.append((i, pub.send(route, body, properties(msg, route))))
+                    waiting.append((unit, self._send(pub, batch, bodies, unit, start, plugin)))
                     continue
                 except (ValidationError, BrokerError) as exc:
                     refusal = exc
-            results[i] = (refused(msg.job_id, refusal) if isinstance(refusal, ValidationError)
-                          else PublishResult(msg.job_id, False, error=str(refusal)))
+            for i in unit:
+                job_id = batch[i].message.job_id
+                results[i] = (refused(job_id, refusal) if isinstance(refusal, ValidationError)
+                              else PublishResult(job_id, False, error=str(refusal)))
         if waiting:
             await asyncio.wait([f for _, f in waiting], timeout=self.confirm_timeout)
-        for i, fut in waiting:
-            msg = batch[i].message
+        for unit, fut in waiting:
             error: str | None
             if not fut.done():
                 fut.cancel()
                 error = f"no publisher confirm within {self.confirm_timeout:g} s"
             else:
                 error = fut.result()
-            if error is None:
-                results[i] = PublishResult(msg.job_id, True, msg.id_text)
-            else:
-                if "unroutable" in error:
-                    self._declared.discard(msg.queue)  # declare it again next time
-                results[i] = PublishResult(msg.job_id, False, error=error)
+            for i in unit:
+                msg = batch[i].message
+                if error is None:
+                    results[i] = PublishResult(msg.job_id, True, msg.id_text)
+                else:
+                    if "unroutable" in error:
+                        self._declared.discard(msg.queue)  # declare it again next time
+                    results[i] = PublishResult(msg.job_id, False, error=error)
         return [r for r in results if r is not None]
+
+    def _send(self, pub: Publisher, batch: Sequence[Outgoing], bodies: Sequence[bytes | None],
+              unit: list[int], start: float, plugin: bool) -> asyncio.Future[str | None]:
+        """Write one message — a job, or a pack of due jobs — and return
+        the future of its confirm."""
+        msg = batch[unit[0]].message
+        if len(unit) == 1:
+            out = batch[unit[0]]
+            # The delay counts from when the broker enqueues the message,
+            # which is after this moment: time spent since the relay
+            # computed it (>= ``start``) can come off, never more.
+            delay = out.delay - (time.monotonic() - start) if out.delay > 0 else 0.0
+            route = self.topology.route(msg.queue, delay, plugin)
+            body = bodies[unit[0]] or msg.encode()
+            props = properties(msg, route)
+        else:
+            route = self.topology.route(msg.queue, 0.0, plugin)
+            body = amqp_pack.encode([b for i in unit if (b := bodies[i]) is not None])
+            props = pack_properties([batch[i].message for i in unit], route)
+        if len(body) > PAYLOAD_LIMIT:
+            raise ValidationError("payload", f"must encode to at most {PAYLOAD_LIMIT} bytes "
+                                  "on RabbitMQ", len(body))
+        return pub.send(route, body, props)
 
     def locate(self, job: EnqueuedRef, now: datetime) -> str:
         """The tier a delayed message is in, from the delay it was published
@@ -308,8 +343,23 @@ class AMQPBroker(PublishingBroker):
                 continue
             backoff = 0.2
             getter: asyncio.Future[Delivery] | None = None
+            qos, qos_at = prefetch, time.monotonic()
             try:
-                while True:
+                while chan.is_open:
+                    # What pika has already handed over goes out without a
+                    # wait (a future and a wait per message were a good part
+                    # of a delivery's cost); only an empty inbox is awaited.
+                    while not inbox.empty():
+                        yield inbox.get_nowait()
+                    # The prefetch follows how many the worker wants in hand
+                    # (short handlers: many), asked again at most twice a
+                    # second and only when it changed by a quarter.
+                    # Counted in messages: a pack holds several jobs.
+                    size = max(1, math.ceil(buffer_size(prefetch, wanted) / self._per_message))
+                    if abs(size - qos) * 4 >= qos and time.monotonic() - qos_at >= 0.5:
+                        qos, qos_at = size, time.monotonic()
+                        await chan.rpc(chan.ch.basic_qos, prefetch_count=size,
+                                       global_qos=self._shared_qos(names))
                     getter = asyncio.ensure_future(inbox.get())
                     await asyncio.wait({getter, chan.closed}, return_when=asyncio.FIRST_COMPLETED)
                     if not getter.done():
@@ -341,8 +391,22 @@ class AMQPBroker(PublishingBroker):
             for tag in list(chan.ch.consumer_tags):
                 chan.ch.basic_cancel(tag)
         while not inbox.empty():
-            delivery = inbox.get_nowait()
-            chan.requeue(delivery.raw[1])
+            self.release(inbox.get_nowait())
+
+    def release(self, delivery: Delivery) -> None:
+        """Back to the queue at once; a pack's job given back, to be
+        published again once the pack's other jobs are settled (a pack with
+        jobs still out is settled when they are)."""
+        chan, tag, part = delivery.raw
+        if part is None:
+            chan.requeue(tag)
+            return
+        settled = part[0].settle(part[1], delivery.message, handled=False)
+        if settled is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._settle_pack(chan, tag, part[0], settled))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
 
     async def _start_consuming(self, names: list[str], prefetch: int
                                ) -> tuple[Channel, asyncio.Queue[Delivery]]:
@@ -360,28 +424,112 @@ class AMQPBroker(PublishingBroker):
             # An exception here escapes into pika's I/O callback and drops the
             # connection, and the message comes back, forever: self.delivery()
             # never raises, whatever the body holds.
+            chan.delivered(method.delivery_tag)
+            headers = props.headers or {}
+            extra = {"headers": headers, "message_id": props.message_id,
+                     "exchange": method.exchange, "routing_key": method.routing_key}
+            if HEADER_PACK in headers:
+                for delivery in self._unpack(body, chan, method.delivery_tag,
+                                             bool(method.redelivered), extra):
+                    inbox.put_nowait(delivery)
+                return
+            self._per_message += 0.1 * (1.0 - self._per_message)
             inbox.put_nowait(self.delivery(
-                body, raw=(chan, method.delivery_tag), redelivered=bool(method.redelivered),
-                extra={"headers": props.headers or {}, "message_id": props.message_id,
-                       "exchange": method.exchange, "routing_key": method.routing_key}))
+                body, raw=(chan, method.delivery_tag, None),
+                redelivered=bool(method.redelivered), extra=extra))
 
-        # Several queues share one prefetch window per channel (global qos);
-        # quorum queues only support per-consumer prefetch.
-        shared = len(names) > 1 and self.topology.queue_type == "classic"
-        await chan.rpc(chan.ch.basic_qos, prefetch_count=prefetch, global_qos=shared)
+        await chan.rpc(chan.ch.basic_qos, prefetch_count=prefetch,
+                       global_qos=self._shared_qos(names))
         chan.ch.add_on_cancel_callback(lambda frame: chan.ch.close() if chan.is_open else None)
         for name in names:
             await chan.rpc(chan.ch.basic_consume, self.topology.queue(name), on_message)
         return chan, inbox
 
+    def _unpack(self, body: bytes, chan: Channel, tag: int, redelivered: bool,
+                extra: dict[str, Any]) -> list[Delivery]:
+        """A pack's deliveries, one per job (brokers/amqp_pack.py); a pack
+        that does not decode as a whole is one undecodable delivery (the
+        worker rejects it, into the dead-letter queue).  Never raises: it
+        runs in pika's I/O callback."""
+        try:
+            jobs = amqp_pack.decode(body, self.capabilities.payload_limit)
+        except Exception as exc:
+            reason = exc.reason if isinstance(exc, MessageDecodeError) else "undecodable"
+            return [Delivery(message=None, raw=(chan, tag, None), redelivered=redelivered,
+                             decode_error=str(exc)[:300], decode_reason=reason, extra=extra)]
+        self._per_message += 0.1 * (len(jobs) - self._per_message)
+        pack = amqp_pack.Pack(len(jobs))
+        out = []
+        for j, job in enumerate(jobs):
+            if isinstance(job, JobMessage):
+                out.append(Delivery(message=job, raw=(chan, tag, (pack, j)),
+                                    redelivered=redelivered, extra=extra))
+            else:
+                out.append(Delivery(message=None, raw=(chan, tag, (pack, j)),
+                                    redelivered=redelivered, decode_error=str(job),
+                                    decode_reason=job.reason, extra=extra))
+        return out
+
+    def _shared_qos(self, names: Sequence[str]) -> bool:
+        """Several queues share one prefetch window per channel (global
+        qos); quorum queues only support per-consumer prefetch."""
+        return len(names) > 1 and self.topology.queue_type == "classic"
+
     async def ack(self, delivery: Delivery) -> None:
-        chan, tag = delivery.raw
-        chan.ack(tag)  # on a closed channel: the broker redelivers, the worker drops it
+        # On a closed channel: the broker redelivers, the worker drops it.
+        chan, tag, part = delivery.raw
+        if part is None:
+            chan.ack(tag)
+            return
+        settled = part[0].settle(part[1])
+        if settled is not None:
+            await self._settle_pack(chan, tag, part[0], settled)
+
+    async def _settle_pack(self, chan: Channel, tag: int, pack: amqp_pack.Pack,
+                           settled: str) -> None:
+        """A pack whose every job is settled: acked; requeued, if none of
+        it was handled; or, if some of it was, its jobs never handled
+        published again first, then acked, so the jobs that finished do not
+        come back (requeued after all if that publish fails: their copies
+        are then discarded by the version check, and nothing is lost)."""
+        if settled == "republish":
+            try:
+                again = await self.publish([Outgoing(m, 0.0) for m in pack.given_back])
+                settled = "ack" if all(r.ok for r in again) else "requeue"
+            except Exception as exc:  # the broker went away: back whole
+                self._log.warning("pack-give-back", "could not publish the %d unhandled jobs "
+                                  "of a pack again (%s); it goes back whole",
+                                  len(pack.given_back), exc)
+                settled = "requeue"
+        if settled == "ack":
+            chan.ack(tag)
+        else:
+            chan.requeue(tag)
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """Each channel's deliveries in as few acks as it allows (a run of
+        the lowest unsettled tags is one ``multiple`` ack); a pack's message
+        once the last of its jobs is settled."""
+        by_channel: dict[int, tuple[Channel, list[int]]] = {}
+        for delivery in deliveries:
+            chan, tag, part = delivery.raw
+            if part is not None:
+                settled = part[0].settle(part[1])
+                if settled is not None and settled != "ack":
+                    await self._settle_pack(chan, tag, part[0], settled)
+                if settled != "ack":
+                    continue
+            by_channel.setdefault(id(chan), (chan, []))[1].append(tag)
+        for chan, tags in by_channel.values():
+            chan.ack_many(tags)
 
     async def reject(self, delivery: Delivery, reason: str) -> None:
-        chan, tag = delivery.raw
-        if delivery.message is not None:  # stale, cancelled, duplicate: done with it
-            chan.ack(tag)
+        chan, tag, part = delivery.raw
+        if delivery.message is not None or part is not None:
+            # Stale, cancelled, duplicate: done with it.  (An envelope of a
+            # pack that did not decode cannot go to the dead-letter queue
+            # alone; the worker has logged why it dropped it.)
+            await self.ack(delivery)
         else:  # not a duebox message: keep it in the dead-letter queue
             chan.reject(tag)
 

@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from duebox.errors import BrokerError, ConfigurationError, MissingDependencyError
 from duebox.logs import collapse_library_logs
-from duebox.message import JobMessage
+from duebox.message import HEADER_DUE_AT, JobMessage
 
 try:
     import pika
@@ -31,6 +31,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("pika", "rabbitmq") from exc
 
+from .amqp_pack import HEADER_PACK
 from .amqp_topology import ExchangeBind, ExchangeDecl, Op, QueueBind, QueueDecl, Route
 
 # pika logs each failed connection attempt at ERROR in some nine lines: a
@@ -85,6 +86,20 @@ def properties(msg: JobMessage, route: Route) -> Any:
         timestamp=int(time.time()),
         type=msg.task,
         headers={**msg.header_map(), **route.headers},
+    )
+
+
+def pack_properties(messages: Sequence[JobMessage], route: Route) -> Any:
+    """A pack's properties (brokers/amqp_pack.py): persistent, and headers
+    saying how many jobs it carries, due by the last one's due time."""
+    return pika.BasicProperties(
+        content_type="application/json",
+        delivery_mode=2,  # persistent
+        message_id=f"pack:{messages[0].job_id}",
+        timestamp=int(time.time()),
+        type="duebox-pack",
+        headers={HEADER_PACK: str(len(messages)),
+                 HEADER_DUE_AT: max(m.due_at for m in messages).isoformat(), **route.headers},
     )
 
 
@@ -235,6 +250,9 @@ class Channel:
         self.ch = ch
         self.closed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         ch.add_on_close_callback(self._on_close)
+        # Delivery tags handed to this consumer and not yet settled: the
+        # lowest ones, when acked together, take one ``multiple`` ack.
+        self.unsettled: set[int] = set()
 
     def _on_close(self, _ch: Any, reason: BaseException) -> None:
         if not self.closed.done():
@@ -244,8 +262,32 @@ class Channel:
     def is_open(self) -> bool:
         return not self.closed.done() and bool(self.ch.is_open)
 
+    def delivered(self, tag: int) -> None:
+        self.unsettled.add(tag)
+
     def ack(self, tag: int) -> None:
         self._settle(self.ch.basic_ack, tag)
+
+    def ack_many(self, tags: Sequence[int]) -> None:
+        """Ack these deliveries with as few frames as the broker allows: the
+        run of them that starts at the lowest unsettled tag is one ``basic.ack``
+        with ``multiple`` (which acks every unsettled tag up to it, so only
+        a run with no other delivery inside it may go that way); the rest
+        one by one."""
+        acking = sorted(set(tags) & self.unsettled)
+        run = 0
+        for tag in sorted(self.unsettled):
+            if run == len(acking) or tag != acking[run]:
+                break
+            run += 1
+        if run > 1:
+            self.unsettled.difference_update(acking[:run])
+            if self.is_open:
+                with contextlib.suppress(pika.exceptions.AMQPError):
+                    self.ch.basic_ack(acking[run - 1], multiple=True)
+            acking = acking[run:]
+        for tag in acking:
+            self.ack(tag)
 
     def reject(self, tag: int) -> None:
         """Reject without requeueing: into the queue's dead-letter exchange."""
@@ -257,6 +299,7 @@ class Channel:
     def _settle(self, method: Callable[..., Any], tag: int, **kw: Any) -> None:
         # A delivery tag is only valid on the channel that delivered it; once
         # that channel is gone the broker has requeued the message already.
+        self.unsettled.discard(tag)
         if self.is_open:
             with contextlib.suppress(pika.exceptions.AMQPError):
                 method(tag, **kw)

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from duebox.errors import ConfigurationError
 
 from ._common import number
+from .amqp_pack import DEFAULT_PACK, MAX_PACK_JOBS
 from .amqp_topology import MODES, Topology
 from .base import parse_params
 
-OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "confirm_timeout"})
+OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "confirm_timeout",
+                        "pack"})
 
 
 @dataclass(frozen=True)
@@ -24,11 +26,13 @@ class AMQPSettings:
     """``topology``: every name, from ``?prefix=`` and ``?queue_type=``.
     ``delay_mode``: ``auto`` (the plugin when the broker has it), ``plugin``
     or ``tiers``.  ``confirm_timeout``: seconds a publish waits for the
-    broker's confirms."""
+    broker's confirms.  ``pack``: how many jobs due now one message carries
+    at most (brokers/amqp_pack.py; 1: one per message)."""
 
     topology: Topology
     delay_mode: str = "auto"
     confirm_timeout: float = 30.0
+    pack: int = DEFAULT_PACK
 
     @classmethod
     def from_url(cls, url: str) -> AMQPSettings:
@@ -40,7 +44,9 @@ class AMQPSettings:
                 f"broker_url: delay_mode must be one of {', '.join(MODES)} (got {mode!r})")
         return cls(topology=topology, delay_mode=mode,
                    confirm_timeout=number(params, "confirm_timeout", 30.0, low=0.0,
-                                          seconds=True, above=True))
+                                          seconds=True, above=True),
+                   pack=int(number(params, "pack", DEFAULT_PACK, low=1, high=MAX_PACK_JOBS,
+                                   integer=True)))
 
     @property
     def plugin(self) -> bool | None:

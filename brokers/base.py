@@ -61,6 +61,21 @@ class Delivery:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# The most unacknowledged messages a backend buffers for one worker, however
+# many it wants in hand (:func:`buffer_size`).
+MAX_BUFFER = 256
+
+
+def buffer_size(prefetch: int, wanted: Callable[[], int] | None) -> int:
+    """How many unacknowledged messages a backend that buffers them should
+    hold for a worker now: ``prefetch``, or as many as the worker wants in
+    hand when that is more (short handlers: a batch lane's or a group's
+    worth per executor), up to :data:`MAX_BUFFER`."""
+    if wanted is None:
+        return prefetch
+    return max(prefetch, min(wanted(), MAX_BUFFER))
+
+
 def delivery_from_body(body: bytes | str, raw: Any = None, *, max_bytes: int | None = None,
                        **kw: Any) -> Delivery:
     """Decode at the boundary: garbage becomes a delivery the worker rejects
@@ -143,6 +158,17 @@ class Broker(abc.ABC):
     async def ack(self, delivery: Delivery) -> None:  # noqa: B027 - optional hook
         """The job reached a final or rescheduled state: drop the message."""
 
+    def release(self, delivery: Delivery) -> None:  # noqa: B027 - an optional hook
+        """The worker took ``delivery`` but will never handle it (it is
+        stopping).  The default leaves it unacknowledged: the broker hands it
+        on when the consumer's connection closes, or after its visibility or
+        claim timeout."""
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """:meth:`ack` each of these, in as few calls as the backend can (the
+        batch lane settles many at once).  The default acks them together."""
+        await asyncio.gather(*(self.ack(d) for d in deliveries))
+
     async def reject(self, delivery: Delivery, reason: str) -> None:
         """The message is not runnable (garbage, stale, cancelled): drop it."""
         await self.ack(delivery)
@@ -223,6 +249,44 @@ class Broker(abc.ABC):
         return False
 
 
+    def lane_claims(self) -> LaneClaims | None:
+        """The backend's side of a batch lane that claims due jobs itself
+        (``sql://``, consumers/lane.py); None (the default): deliveries
+        reach the lane only through :meth:`consume`."""
+        return None
+
+
+class LaneClaims(abc.ABC):
+    """A backend whose workers claim rows from the job table lets the
+    worker's batch lane claim the *due* ones itself, in the transaction that
+    runs them (core/unstarted.py, ``lock_due``): no claim is written for a
+    job the lane runs.  While the lane :meth:`leads`, the backend's own
+    claimer takes only jobs not yet due (the hand-over ahead of the due time)
+    and :attr:`wake` tells the lane when due rows wait; jobs the lane locked
+    but will not run itself it leases in its transaction and hands back
+    through :meth:`adopt`, to be delivered the usual way."""
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self.leading = False
+
+    def leads(self, on: bool) -> None:
+        """Whether the lane claims the due rows (True) or the backend's
+        claimer does, as without a lane (False)."""
+        if on != self.leading:
+            self.leading = on
+            self.wake.set()
+            self.changed()
+
+    def changed(self) -> None:  # noqa: B027 - an optional hook
+        """Called when :attr:`leading` changed (the claimer looks again)."""
+
+    @abc.abstractmethod
+    def adopt(self, records: Sequence[JobRecord], claimed_at: datetime) -> None:
+        """Deliver these jobs, leased by the lane's transaction (committed),
+        as if the backend had claimed them at ``claimed_at``."""
+
+
 class PublishingBroker(Broker):
     """A backend the relay hands due jobs to (all but ``sql://``)."""
 
@@ -265,14 +329,17 @@ def parse_params(url: str) -> dict[str, str]:
 # import them from here.
 __all__ = [
     "HANDOVER_LEAD",
+    "MAX_BUFFER",
     "Broker",
     "BrokerContext",
     "Capabilities",
     "Delivery",
     "Durability",
+    "LaneClaims",
     "Ordering",
     "Outgoing",
     "PublishResult",
+    "buffer_size",
     "delivery_from_body",
     "open_broker",
     "parse_params",

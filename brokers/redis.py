@@ -66,6 +66,7 @@ from .base import (
     Outgoing,
     PublishingBroker,
     PublishResult,
+    buffer_size,
     refused,
 )
 from .redis_mover import IDLE_WAKE, MOVE_LIMIT, Mover, reraise_lost_cancel, text
@@ -325,11 +326,12 @@ class RedisBroker(PublishingBroker):
         try:
             while True:
                 reraise_lost_cancel()
-                room = prefetch - len(self._in_flight)
+                size = buffer_size(prefetch, wanted)
+                room = size - len(self._in_flight)
                 # With most of the prefetch in hand, wait for a few slots
                 # to free up: refilling one slot per read cost a round trip
                 # per message.
-                if room <= 0 or (room < prefetch // _REFILL_PART and self._in_flight):
+                if room <= 0 or (room < size // _REFILL_PART and self._in_flight):
                     await wait_any(IDLE_WAKE, self._freed)
                     self._freed.clear()
                     continue
@@ -489,6 +491,22 @@ class RedisBroker(PublishingBroker):
             # The entry stays pending; it is taken over after claim_idle and
             # the redelivery is discarded by the version check.
             self._log.warning("ack", "%s: ack of %s failed: %s", self._where(), entry, exc)
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """One ack script per stream for all of these (no linger: they are
+        all here already)."""
+        by_stream: dict[str, tuple[Keys, list[tuple[str, str]]]] = {}
+        for delivery in deliveries:
+            settled = self._settle(delivery)
+            if settled is not None:
+                k, entry, job = settled
+                by_stream.setdefault(k.ready, (k, []))[1].append((entry, job))
+        for k, acks in by_stream.values():
+            try:
+                await self._ack_many(k, acks)
+            except RedisError as exc:  # pending: taken over after claim_idle, then discarded
+                self._log.warning("ack", "%s: ack of %d entries failed: %s", self._where(),
+                                  len(acks), exc)
 
     async def _ack_many(self, k: Keys, acks: list[tuple[str, str]]) -> list[None]:
         """XACK + XDEL each (stream entry, job id), and drop the job's index

@@ -157,6 +157,15 @@ class RoutedBroker(Broker):
     async def ack(self, delivery: Delivery) -> None:
         await self._of(delivery).ack(delivery)
 
+    def release(self, delivery: Delivery) -> None:
+        self._of(delivery).release(delivery)
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        by_route: dict[int, list[Delivery]] = {}
+        for d in deliveries:
+            by_route.setdefault(int(d.extra.get(_ROUTE, 0)), []).append(d)
+        await asyncio.gather(*(self.parts[i][0].ack_many(ds) for i, ds in by_route.items()))
+
     async def reject(self, delivery: Delivery, reason: str) -> None:
         await self._of(delivery).reject(delivery, reason)
 

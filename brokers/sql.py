@@ -14,6 +14,12 @@ hands each job over at its due time from an in-memory timer.  A cancel that
 lands inside that window finds the job running: its handler is told
 (``ctx.cancelled``) and its completion, fenced, rolls back.  ``lookahead=0``
 claims only due jobs.
+
+A worker's batch lane (consumers/lane.py) may claim the due jobs itself, in
+the transaction that runs them, with no claim written (:meth:`lane_claims`,
+core/unstarted.py ``lock_due``): while it leads, this claimer takes only
+jobs due later (the hand-over above) and wakes the lane when due rows wait.
+Not with a dispatch policy, whose fair claim decides the order.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from .base import (
     Capabilities,
     Delivery,
     Durability,
+    LaneClaims,
     Ordering,
     parse_params,
 )
@@ -73,6 +80,22 @@ class _Claimed:
     at: datetime  # when it was leased: no later than the claim itself
 
 
+class _LaneSide(LaneClaims):
+    """The lane's claims on this backend: see the module notes."""
+
+    def __init__(self, broker: SQLBroker) -> None:
+        super().__init__()
+        self.broker = broker
+
+    def changed(self) -> None:
+        self.broker.relook.set()
+        if self.broker.registry_changed is not None:  # the worker's row says who claims
+            self.broker.registry_changed()
+
+    def adopt(self, records: Sequence[jobstore.JobRecord], claimed_at: datetime) -> None:
+        self.broker.adopt(records, claimed_at)
+
+
 class SQLBroker(Broker):
     capabilities = Capabilities(
         name="sql",
@@ -102,6 +125,16 @@ class SQLBroker(Broker):
         # shares, aging, quotas and rate limits, shared through the database.
         policy = DispatchPolicy.configured(context.settings)
         self.fair = FairPicker(policy) if policy.enabled else None
+        # Claimed jobs waiting for their due time, and the event that tells
+        # the consumer there are new ones: set while consume() runs.
+        self._held: Hold[_Claimed] | None = None
+        self._fresh: asyncio.Event | None = None
+        # Set when the claimer should look at the table again now (the lane
+        # stopped leading, say) instead of at its next wake-up.
+        self.relook = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._giving_back: set[asyncio.Task[None]] = set()
+        self._lane = _LaneSide(self) if self.fair is None else None
         shards = os.environ.get("DUEBOX_SHARDS", "").strip()
         if shards not in ("", "0"):
             raise ConfigurationError(
@@ -117,6 +150,8 @@ class SQLBroker(Broker):
         # due.
         held: Hold[_Claimed] = Hold()
         fresh = asyncio.Event()
+        self._held, self._fresh = held, fresh
+        self._loop = asyncio.get_running_loop()
         claimer = asyncio.create_task(self._claimer(queues, prefetch, wanted, held, fresh),
                                       name="duebox-sql-claimer")
         poll = self.context.settings.poll_interval
@@ -138,6 +173,7 @@ class SQLBroker(Broker):
                 wait = (earliest - now).total_seconds() if earliest is not None else poll
                 await wait_any(wait, fresh)
         finally:
+            self._held = self._fresh = None
             claimer.cancel()
             with contextlib.suppress(asyncio.CancelledError, DatabaseError):
                 await claimer
@@ -164,8 +200,9 @@ class SQLBroker(Broker):
                 ready = held.count_due(ctx.clock.now())
                 room = min(cap - self._in_flight - ready, _HOLD_LIMIT - len(held))
                 if room <= 0 or (held and room < max(1, cap // 4)):
-                    await wait_any(ctx.settings.poll_interval, self._freed)
+                    await wait_any(ctx.settings.poll_interval, self._freed, self.relook)
                     self._freed.clear()
+                    self.relook.clear()
                     continue
                 owner = f"{ctx.worker_name}#{next(self._seq)}"
                 claimed_at = ctx.clock.now()  # no later than the claim itself
@@ -180,8 +217,10 @@ class SQLBroker(Broker):
                 # Fewer jobs were due than slots were free, so a slot freed now
                 # changes nothing: sleep until the next claim (the lookahead
                 # before the next due time) or a NOTIFY.
-                await wait_any(min(wake_in, ctx.settings.poll_interval), waker.event)
+                await wait_any(min(wake_in, ctx.settings.poll_interval), waker.event,
+                               self.relook)
                 waker.event.clear()
+                self.relook.clear()
         finally:
             fresh.set()  # the consumer looks at what ended this
             await waker.stop()
@@ -199,6 +238,7 @@ class SQLBroker(Broker):
         the pool instead of two per wake-up)."""
         ctx = self.context
         ahead = timedelta(seconds=self.lookahead)
+        lane = self._lane is not None and self._lane.leading
         with db_errors("claim"), ctx.engine.begin() as conn:
             now = ctx.clock.now()
             ids = None
@@ -209,6 +249,7 @@ class SQLBroker(Broker):
                 conn, owner=owner, now=now, limit=limit, horizon=now + ahead,
                 lease_until=now + ahead + timedelta(seconds=ctx.settings.lease_seconds),
                 queues=queues or None, worker=ctx.worker_name, ids=ids,
+                after=now if lane else None,
             )
             if len(records) == limit:
                 return records, 0.0
@@ -217,6 +258,11 @@ class SQLBroker(Broker):
                 # a busy loop on the next due time (already past).
                 return records, self.fair.last.wait
             due = claims.next_due(conn)
+            if lane and due is not None and due <= now:
+                # Due rows are the lane's; this claimer waits for the next
+                # one it takes (due later).
+                self._wake_lane()
+                due = claims.next_due(conn, after=now)
         if due is None:
             return records, float("inf")
         # Woken when the next due time is half a lookahead away, not a whole
@@ -232,6 +278,41 @@ class SQLBroker(Broker):
             # again in 50 ms rather than spin; a NOTIFY still wakes it.
             wait = 0.05
         return records, wait
+
+    async def close(self) -> None:
+        """Jobs the lane leased after consumption ended are given back
+        before the worker goes (else their leases, or the worker's death,
+        would have to return them)."""
+        if self._giving_back:
+            await asyncio.wait(set(self._giving_back), timeout=10.0)
+
+    def lane_claims(self) -> LaneClaims | None:
+        return self._lane
+
+    def _wake_lane(self) -> None:
+        """From the claimer's thread: due rows wait for the lane."""
+        lane, loop = self._lane, self._loop
+        if lane is not None and loop is not None:
+            loop.call_soon_threadsafe(lane.wake.set)
+
+    def adopt(self, records: Sequence[jobstore.JobRecord], claimed_at: datetime) -> None:
+        """Jobs the lane leased and will not run: held and delivered like
+        this claimer's (stopped: given back at once)."""
+        held, fresh = self._held, self._fresh
+        if held is None or fresh is None:
+            self._unclaim_later(list(records))
+            return
+        for rec in records:
+            held.push(rec.due_at, _Claimed(rec, claimed_at))
+        fresh.set()
+
+    def _unclaim_later(self, records: list[jobstore.JobRecord]) -> None:
+        async def give_back() -> None:
+            with contextlib.suppress(DatabaseError):
+                await asyncio.to_thread(self._unclaim, records)
+        task = asyncio.get_running_loop().create_task(give_back())
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
 
     async def ack(self, delivery: Delivery) -> None:
         self._in_flight = max(0, self._in_flight - 1)

@@ -40,8 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import bindparam, delete, func, select
+from sqlalchemy import String, bindparam, delete, func, literal, select
 from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.dialects import postgresql
 
 from duebox import jobstore
 from duebox.clock import utcnow
@@ -140,12 +141,31 @@ class SQLDedupeStore:
         statement where the dialect returns what it inserted); the ids
         inserted now, i.e. not seen before."""
         dialect = conn.dialect.name
+        if dialect == "postgresql":
+            # The ids as one array: one statement text whatever their number.
+            return set(conn.execute(self._claim_array(), {"d_ids": list(message_ids),
+                                                          "d_now": now}).scalars())
         stmt, _ = self.claim_bound(dialect, "", now)
-        if dialect in ("postgresql", "sqlite"):
+        if dialect == "sqlite":
             rows = [{"d_message_id": m, "d_now": now} for m in message_ids]
             return set(conn.execute(stmt.returning(processed.c.message_id), rows).scalars())
         return {m for m in message_ids
                 if conn.execute(stmt, {"d_message_id": m, "d_now": now}).rowcount == 1}
+
+    def _claim_array(self) -> Any:
+        """PostgreSQL: :meth:`claim_many`'s insert-if-absent of an array of
+        ids, returning those it inserted; built once."""
+        stmt = self._bound.get("postgresql+array")
+        if stmt is None:
+            ids = func.unnest(bindparam("d_ids", type_=postgresql.ARRAY(String())))
+            stmt = self._bound["postgresql+array"] = (
+                postgresql.insert(processed)
+                .from_select(["consumer", "message_id", "processed_at"],
+                             select(literal(self.consumer, String()), ids,
+                                    bindparam("d_now", type_=processed.c.processed_at.type)))
+                .on_conflict_do_nothing(index_elements=["consumer", "message_id"])
+                .returning(processed.c.message_id))
+        return stmt
 
     def still_claimed(self, conn: Any, message_ids: Sequence[str]) -> bool:
         """MySQL/MariaDB: whether ``conn``'s transaction still has the seen-rows

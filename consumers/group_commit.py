@@ -57,7 +57,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -69,7 +69,6 @@ from duebox import jobstore, unstarted
 from duebox.clock import Clock, wait_until
 from duebox.db import bound_idle_transaction, db_errors
 from duebox.failures import error_line
-from duebox.message import JobMessage, stored_payload_ok
 from duebox.states import LeaseVerdict
 from duebox.tasks import Task
 
@@ -101,7 +100,7 @@ def group_commit_budget() -> float:
 
 
 @dataclass(eq=False)
-class _Item:
+class GroupItem:
     task: Task
     rec: jobstore.JobRecord
     # None for the batch lane's items, which nobody awaits one by one.
@@ -117,12 +116,7 @@ class _Item:
     unstarted: bool = False
 
 
-# One job the batch lane settled: its entry's index, record, outcome and
-# handler start.
-LaneResult = tuple[int, jobstore.JobRecord, Outcome, datetime]
-
-
-def _settle(item: _Item, outcome: Outcome) -> None:
+def _settle(item: GroupItem, outcome: Outcome) -> None:
     if item.future is not None and not item.future.done():
         item.future.set_result(outcome)
 
@@ -187,7 +181,7 @@ class Executors:
         self.on_group = on_group
         self.on_rerun = on_rerun
         self.reread = reread
-        self._pending: deque[_Item] = deque()
+        self._pending: deque[GroupItem] = deque()
         self._active = 0
         self._running: set[asyncio.Task[None]] = set()
         # Handler seconds per job, smoothed (None: none ran yet).
@@ -212,7 +206,7 @@ class Executors:
         that follows real time): read again and held to the due time in the
         executor thread, whether alone or in a group."""
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        item = _Item(task, rec, future, leased, early=early)
+        item = GroupItem(task, rec, future, leased, early=early)
         if not self._pending and self._active < self.count:
             # An executor is free and nobody waits: run it in the caller's
             # task rather than one of its own.
@@ -259,13 +253,13 @@ class Executors:
             self._running.add(t)
             t.add_done_callback(self._running.discard)
 
-    async def _execute(self, items: list[_Item]) -> None:
+    async def _execute(self, items: list[GroupItem]) -> None:
         try:
             if len(items) == 1:
                 await self._alone(items[0])
                 return
             try:
-                done, unrun = await self.pools().handler(self._run_group, items)
+                done, unrun = await self.pools().handler(self.run_group, items)
             except Exception as exc:
                 # Rolled back as a whole: none of it happened.  Each job runs
                 # alone; a handler that had run in the group runs a second
@@ -355,7 +349,7 @@ class Executors:
             until = now + timedelta(seconds=self.app.settings.lease_seconds)
             return jobstore.renew_leases(conn, records, now=now, until=until)
 
-    async def _alone(self, item: _Item) -> None:
+    async def _alone(self, item: GroupItem) -> None:
         pools = self.pools()
         execution = Execution(self.app, item.task, item.rec, self.worker, self.dedupe, pools,
                               check_first=item.early)
@@ -378,92 +372,27 @@ class Executors:
 
     # --- in an executor thread ----------------------------------------------------
 
-    def _run_group(self, items: list[_Item]) -> tuple[list[tuple[_Item, Outcome]], list[_Item]]:
+    def run_group(self, items: list[GroupItem]
+                  ) -> tuple[list[tuple[GroupItem, Outcome]], list[GroupItem]]:
         with db_errors("group commit"), Session(self.app.engine) as session, session.begin():
             conn = session.connection()
             bound_idle_transaction(conn, self.app.settings.lease_seconds)
             fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items],
                                            self.app.clock.now())
             leases = jobstore.lock_leased(conn, [i.rec for i in items])
-            return self._run_locked(session, conn, items, leases, fresh)
+            return self.run_locked(session, conn, items, leases, fresh)
 
-    # --- the batch lane (consumers/lane.py), in an executor thread ---------------
-    # Each returns ``(index, record, outcome, handler start)`` of every entry
-    # settled here and the indexes of those left unrun (the group's budget ran
-    # out); any other entry takes the worker's usual path.  Raises when the
-    # transaction was lost: then every entry takes the usual path.
-
-    def run_unstarted(self, entries: Sequence[tuple[JobMessage, Task]], owner: str
-                      ) -> tuple[list[LaneResult], list[int]]:
-        """Deliveries due now, in arrival order, whose jobs were never started:
-        locked, run and completed in one transaction, with no start
-        transaction before it (core/unstarted.py)."""
-        clock = self.app.clock
-        items: list[_Item] = []
-        index: dict[int, int] = {}  # id(item) → its entry
-        try:
-            with db_errors("batch lane"), Session(self.app.engine) as session, session.begin():
-                conn = session.connection()
-                bound_idle_transaction(conn, self.app.settings.lease_seconds)
-                locked = unstarted.lock_startable(conn, [m for m, _ in entries], clock.now(),
-                                                  owner)
-                for i, (message, task) in enumerate(entries):
-                    # A second copy of a message, or a payload stored undecodable:
-                    # the usual path (which discards or dead-letters it).
-                    rec = locked.pop(message.job_id, None)
-                    if rec is not None and stored_payload_ok(rec):
-                        items.append(_Item(task, rec, None, unstarted=True))
-                        index[id(items[-1])] = i
-                if not items:
-                    return [], []
-                fresh = self.dedupe.claim_many(conn, [str(i.rec.id) for i in items],
-                                               clock.now())
-                held = dict.fromkeys((i.rec.id for i in items), LeaseVerdict.HELD)
-                done, unrun = self._run_locked(session, conn, items, held, fresh)
-        except BaseException as exc:
-            self._lost(items, exc)
-            raise
-        return self._lane_results(index, done, unrun)
-
-    def run_claimed(self, entries: Sequence[tuple[jobstore.JobRecord, Task, datetime | None]]
-                    ) -> tuple[list[LaneResult], list[int]]:
-        """Deliveries due now whose jobs their backend claimed (``sql://``):
-        run as one group (their leases checked under the group's lock)."""
-        items = [_Item(task, rec, None, leased) for rec, task, leased in entries]
-        try:
-            done, unrun = self._run_group(items)
-        except BaseException as exc:
-            self._lost(items, exc)
-            raise
-        return self._lane_results({id(item): i for i, item in enumerate(items)}, done, unrun)
-
-    def _lost(self, items: list[_Item], exc: BaseException) -> None:
-        """Rolled back as a whole: every delivery goes the usual way, so a
-        handler that ran here runs a second time (see the module notes)."""
-        ran = sum(item.ran for item in items)
-        if ran:
-            self.on_rerun(ran)
-            log.warning("a batch of %d jobs was rolled back after %d of its handlers ran "
-                        "(%s): each runs again alone, those %d handlers a second time",
-                        len(items), ran, exc, ran)
-
-    def _lane_results(self, index: dict[int, int], done: list[tuple[_Item, Outcome]],
-                      unrun: list[_Item]) -> tuple[list[LaneResult], list[int]]:
-        now = self.app.clock.now()
-        return ([(index[id(item)], item.rec, outcome, item.started or now)
-                 for item, outcome in done], [index[id(item)] for item in unrun])
-
-    def _run_locked(self, session: Session, conn: Connection, items: list[_Item],
+    def run_locked(self, session: Session, conn: Connection, items: list[GroupItem],
                     leases: dict[uuid.UUID, LeaseVerdict], fresh: set[str]
-                    ) -> tuple[list[tuple[_Item, Outcome]], list[_Item]]:
+                    ) -> tuple[list[tuple[GroupItem, Outcome]], list[GroupItem]]:
         """Run the handlers of a group whose rows are locked (``leases``: which
         are still this worker's) and complete those that succeeded."""
         clock = self.app.clock
-        done: list[tuple[_Item, Outcome]] = []
-        unrun: list[_Item] = []
+        done: list[tuple[GroupItem, Outcome]] = []
+        unrun: list[GroupItem] = []
         forget: list[str] = []
-        succeeded: list[_Item] = []
-        duplicates: list[_Item] = []
+        succeeded: list[GroupItem] = []
+        duplicates: list[GroupItem] = []
         began = time.monotonic()
         for item in items:
             message_id = str(item.rec.id)
@@ -505,7 +434,7 @@ class Executors:
         done += [(i, Outcome(RunStatus.DUPLICATE)) for i in duplicates]
         return done, unrun
 
-    def _run_one(self, session: Session, conn: Connection, item: _Item) -> Outcome | None:
+    def _run_one(self, session: Session, conn: Connection, item: GroupItem) -> Outcome | None:
         """One handler in its savepoint; its failure's outcome, or None."""
         clock = self.app.clock
         control = _GroupControl(conn, item.rec, clock)

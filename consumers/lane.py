@@ -38,6 +38,15 @@ for ``lease_seconds`` (core/db.py, bound_idle_transaction), and lease expiry
 takes over as from any lost worker.  Anything the lane cannot settle — a
 row locked by someone else, a stale or cancelled job, a lost transaction —
 is handed to the usual path, which knows why and acts on it.
+
+On ``sql://`` nothing needs to be delivered at all (:meth:`Lane.pull`):
+once deliveries of short tasks arrive, the lane *leads* — the backend's
+claimer takes only jobs not yet due (to hand them over on time) and the
+lane locks the due rows itself, in the transaction that runs them
+(consumers/lane_runs.py ``run_due``): one row version per job, no claim
+transaction.  Rows it locks and may not run are leased in that transaction
+and delivered the usual way; when they outnumber the ones it ran, the
+lane stops leading and the claimer claims everything again.
 """
 
 from __future__ import annotations
@@ -46,23 +55,29 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from duebox import jobstore, tracing
-from duebox.brokers.base import Broker, Delivery
+from duebox import jobstore
+from duebox.brokers.base import Broker, Delivery, LaneClaims
+from duebox.clock import Clock
 from duebox.logs import CollapsedLog, kind_of
-from duebox.message import ORDERING_KEY_HEADER, JobMessage, stored_payload_ok
+from duebox.message import JobMessage, stored_payload_ok
 from duebox.tasks import Task
+from duebox.waiting import wait_any
 
 from .execution import Outcome, Pools
-from .group_commit import Executors, group_commit_budget
+from .group_commit import group_commit_budget
+from .lane_runs import DueBatch, LaneResult, LaneRuns
 
 log = logging.getLogger("duebox.worker")
 
-# (delivery, its job's record, outcome, handler start): one settled entry.
-Settle = Callable[[Delivery, jobstore.JobRecord, Outcome, datetime], None]
+# (delivery — none for a job the lane locked itself —, its job's record,
+# outcome, handler start): one settled entry; a batch's are accounted for
+# together.
+Settled = tuple[Delivery | None, jobstore.JobRecord, Outcome, datetime]
+Settle = Callable[[Sequence[Settled]], None]
 
 
 @dataclass(eq=False, slots=True)
@@ -73,18 +88,23 @@ class _Entry:
 
 
 class Lane:
-    def __init__(self, name: str, broker: Broker, tasks: Mapping[str, Task],
-                 executors: Executors, pools: Callable[[], Pools], group: int, *,
+    def __init__(self, name: str, broker: Broker, runs: LaneRuns,
+                 pools: Callable[[], Pools], group: int, *,
                  usual: Callable[[Delivery], None], settle: Settle,
-                 done: Callable[[int], None]) -> None:
+                 done: Callable[[int], None], queues: Sequence[str] = (),
+                 clock: Clock | None = None, poll: float = 1.0) -> None:
         """``usual``: send a delivery the worker's usual way (which then
         accounts for it); ``settle``: account for one the lane ran;
         ``done``: that many of those were acknowledged and left the worker's
-        hands."""
+        hands.  ``queues``, ``clock``, ``poll``: the worker's, for
+        :meth:`pull`."""
         self.name = name
         self.broker = broker
-        self.tasks = tasks
-        self.executors = executors
+        self.runs = runs
+        self.executors = executors = runs.executors
+        self.queues = list(queues) or None
+        self.clock = clock
+        self.poll = poll
         self.pools = pools
         self.group = group
         self._usual = usual
@@ -98,6 +118,10 @@ class Lane:
         self._log = CollapsedLog(log)
         self._freed = asyncio.Event()
         executors.on_free = self._on_free
+        # sql://: the backend's lane claims (None elsewhere), and whether due
+        # rows are thought to wait for the lane (see pull()).
+        self.claims = broker.lane_claims()
+        self._more_due = False
 
     @staticmethod
     def enabled(broker: Broker, dialect: str, concurrency: int, group: int) -> bool:
@@ -111,14 +135,15 @@ class Lane:
         """Take the delivery into the lane if it qualifies (see the module
         notes); False: it goes the usual way."""
         msg, rec = delivery.message, delivery.claimed
-        if msg is None or msg.due_at > now or tracing.enabled():  # spans: the usual path
+        if msg is None or msg.due_at > now:
             return False
         if rec is not None and (rec.expired(now) or not stored_payload_ok(rec)):
             return False  # the usual path expires it or dead-letters it
-        task = self.tasks.get(msg.task)
-        if (task is None or not self.executors.groups(task) or not self.executors.short(task)
-                or (msg.headers and msg.headers.get(ORDERING_KEY_HEADER) not in (None, ""))):
+        task = self.runs.app.tasks.get(msg.task)
+        if task is None or not self.runs.runnable(task, msg.headers):
             return False
+        if rec is not None and self.claims is not None and not self.claims.leading:
+            self.claims.leads(True)  # due jobs of short tasks: the lane claims them
         self._waiting.append(_Entry(delivery, msg, task))
         self._schedule()
         return True
@@ -160,16 +185,23 @@ class Lane:
             self._running.add(t)
             t.add_done_callback(self._running.discard)
 
+    def _owner(self) -> str:
+        """A lease owner of this worker's (``<name>#...``: its jobs are
+        known to be its own when it dies, core/takeover.py), unique per batch."""
+        return f"{self.name}#lane{next(self._seq)}"
+
     async def _run(self, batch: list[_Entry]) -> None:
+        settled: list[LaneResult]
+        unrun: list[int]
         try:
             if batch[0].delivery.claimed is not None:
                 settled, unrun = await self.pools().handler(
-                    self.executors.run_claimed,
+                    self.runs.run_claimed,
                     [(e.delivery.claimed, e.task, e.delivery.claimed_at) for e in batch])
             else:
                 settled, unrun = await self.pools().handler(
-                    self.executors.run_unstarted, [(e.message, e.task) for e in batch],
-                    f"{self.name}#lane{next(self._seq)}")
+                    self.runs.run_unstarted, [(e.message, e.task) for e in batch],
+                    self._owner())
         except Exception as exc:  # nothing of it happened: every entry the usual way
             self._log.warning(f"lane:{kind_of(exc)}", "a batch of %d jobs failed (%s: %s); "
                               "each goes the usual way", len(batch), type(exc).__name__, exc)
@@ -187,12 +219,63 @@ class Lane:
                 self._usual(entry.delivery)
         if len(settled) > 1:  # run in one transaction with others: a group
             self.executors.on_group(len(settled))
-        for i, rec, outcome, started in settled:
-            self._settle(batch[i].delivery, rec, outcome, started)
+        self._settle([(batch[i].delivery, rec, outcome, started)
+                      for i, rec, outcome, started in settled])
         try:
-            await asyncio.gather(*(self.broker.ack(batch[i].delivery) for i, *_ in settled))
+            await self.broker.ack_many([batch[i].delivery for i, *_ in settled])
         finally:
             self._done(len(settled))
+
+    # --- sql://: due rows locked by the lane itself ---------------------------
+
+    async def pull(self) -> None:
+        """While the worker consumes (cancelled when it stops): whenever the
+        lane leads and due rows are thought to wait — the claimer saw some,
+        the last batch was full, or a poll interval passed — run batches of
+        them, as many at once as :meth:`_most_at_once` allows."""
+        claims = self.claims
+        if claims is None:
+            return
+        while True:
+            if claims.leading and self._more_due:
+                self._pull_batches(claims)
+            await wait_any(self.poll, claims.wake, self._freed)
+            if claims.wake.is_set() or not self._freed.is_set():  # the claimer, or the poll
+                self._more_due = True
+            claims.wake.clear()
+            self._freed.clear()
+
+    def _pull_batches(self, claims: LaneClaims) -> None:
+        while (self._more_due and self._active < self._most_at_once()
+               and self.executors.take_slot()):
+            self._active += 1
+            t = asyncio.create_task(self._pull_one(claims))
+            self._running.add(t)
+            t.add_done_callback(self._running.discard)
+
+    async def _pull_one(self, claims: LaneClaims) -> None:
+        claimed_at = self.clock.now() if self.clock is not None else None
+        try:
+            batch: DueBatch = await self.pools().handler(
+                self.runs.run_due, self.queues, self.group, self._owner(), self._owner)
+        except Exception as exc:  # changed nothing: the rows stay due, looked at next poll
+            self._more_due = False
+            self._log.warning(f"lane:{kind_of(exc)}", "a batch of due jobs failed (%s: %s); "
+                              "trying again shortly", type(exc).__name__, exc)
+            return
+        finally:
+            self._active -= 1
+            self.executors.give_slot()
+        if batch.locked < self.group:
+            self._more_due = False  # drained: the claimer wakes the lane for more
+        if batch.leased:
+            claims.adopt(batch.leased, claimed_at or batch.leased[0].due_at)
+            if len(batch.leased) > len(batch.settled):
+                claims.leads(False)  # mostly not the lane's jobs: the claimer takes them
+        if len(batch.settled) > 1:
+            self.executors.on_group(len(batch.settled))
+        self._settle([(None, rec, outcome, started) for _, rec, outcome, started in batch.settled])
+        self._pull_batches(claims)
 
     async def drain(self) -> None:
         """Stopping: run what is in line (it is due) and wait for every batch."""

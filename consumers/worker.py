@@ -45,7 +45,7 @@ from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
 from duebox.message import JobMessage, check_stored_payload
-from duebox.metrics import Metrics, process_metrics, seconds
+from duebox.metrics import Metrics, observe_many, process_metrics, seconds
 from duebox.registry import check_queue_name
 from duebox.states import Discard
 from duebox.tasks import Task
@@ -54,7 +54,8 @@ from duebox.timing import EARLY_HOLD, EXECUTOR_HOLD_MOST, REREAD_LEAD
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .group_commit import Executors, group_commit_budget
-from .lane import Lane
+from .lane import Lane, Settled
+from .lane_runs import LaneRuns
 from .starts import Starts
 from .turns import Turn, Turns
 
@@ -89,6 +90,8 @@ class WorkerStats:
     deferred: int = 0
     grouped: int = 0  # jobs run in a group-commit transaction with others
     laned: int = 0  # jobs run by the batch lane (consumers/lane.py)
+    # Of those, jobs the lane locked due itself (sql://): no claim written.
+    direct: int = 0
     # Handlers called a second time because their group's transaction was
     # lost after they ran (consumers/group_commit.py says when that happens).
     reran: int = 0
@@ -137,9 +140,11 @@ class Worker:
         self._in_hand = 0
         self._turns = Turns()  # handlers of one ordering key start in arrival order
         # Due deliveries of groupable tasks, run in batches (consumers/lane.py).
-        self.lane = (Lane(self.name, self.broker, app.tasks, self.executors, lambda: self.pools,
-                          self.group_commit, usual=lambda d: self._spawn(d, None),
-                          settle=self._settled, done=self._left)
+        self.lane = (Lane(self.name, self.broker, LaneRuns(app, self.executors),
+                          lambda: self.pools, self.group_commit,
+                          usual=lambda d: self._spawn(d, None), settle=self._settled,
+                          done=self._left, queues=self.queues, clock=app.clock,
+                          poll=app.settings.poll_interval)
                      if Lane.enabled(self.broker, app.engine.dialect.name, self.concurrency,
                                      self.group_commit) else None)
         self._room = asyncio.Event()
@@ -179,6 +184,9 @@ class Worker:
                  ", ".join(self.queues), redacted(self.broker.url),
                  self.concurrency)
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
+        # sql://: the lane locks due rows itself while it leads (consumers/lane.py).
+        pulling = (asyncio.create_task(self.lane.pull(), name="duebox-lane-pull")
+                   if self.lane is not None and self.lane.claims is not None else None)
         stopper = asyncio.create_task(stop.wait())
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")
         try:
@@ -188,6 +196,10 @@ class Worker:
         finally:
             consumer.cancel()
             stopper.cancel()
+            if pulling is not None:
+                pulling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pulling
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
             # Jobs taken in but not started by an executor go back now, not
@@ -235,9 +247,13 @@ class Worker:
             try:
                 async for delivery in self.broker.consume(self.queues, self.prefetch,
                                                             wanted=self.wanted):
-                    while self._in_hand >= self.wanted():
-                        self._room.clear()
-                        await self._room.wait()
+                    try:
+                        while self._in_hand >= self.wanted():
+                            self._room.clear()
+                            await self._room.wait()
+                    except asyncio.CancelledError:  # stopping: never handled here
+                        self.broker.release(delivery)
+                        raise
                     self._in_hand += 1
                     self._log.flush()  # counts of errors that stopped a while ago
                     if self.lane is not None and self.lane.take(delivery, self.app.clock.now()):
@@ -462,13 +478,32 @@ class Worker:
                             else str(outcome.failure_class))
         self._account(rec, outcome, started)
 
-    def _settled(self, delivery: Delivery, rec: jobstore.JobRecord, outcome: Outcome,
-                 started: datetime) -> None:
-        """A delivery the batch lane ran."""
-        self.stats.received += 1
-        self.stats.laned += 1
-        self._received.inc()
-        self._account(rec, outcome, started)
+    def _settled(self, batch: Sequence[Settled]) -> None:
+        """Jobs one batch of the lane ran (deliveries', or due rows it
+        locked): succeeded ones are observed together, per queue (two
+        histograms and a counter per job, one at a time, were a tenth of
+        the worker's time per job); the rest one by one."""
+        st = self.stats
+        n = len(batch)
+        st.received += n
+        st.laned += n
+        self._received.inc(n)
+        by_queue: dict[str, list[tuple[jobstore.JobRecord, datetime]]] = {}
+        for delivery, rec, outcome, started in batch:
+            st.direct += delivery is None
+            if outcome.status is RunStatus.SUCCEEDED:
+                by_queue.setdefault(rec.queue, []).append((rec, started))
+            else:
+                self._account(rec, outcome, started)
+        finished = self.app.clock.now()
+        for queue, done in by_queue.items():
+            lateness, queue_wait, ran, succeeded, end_to_end = self._queue_metrics(queue)
+            observe_many(lateness, [seconds(started, rec.due_at) for rec, started in done])
+            observe_many(queue_wait, [seconds(started, _available(rec)) for rec, started in done])
+            observe_many(ran, [seconds(finished, started) for _, started in done])
+            observe_many(end_to_end, [seconds(finished, rec.due_at) for rec, _ in done])
+            succeeded.inc(len(done))
+            st.succeeded += len(done)
 
     def _account(self, rec: jobstore.JobRecord, outcome: Outcome, started: datetime) -> None:
         if outcome.status is RunStatus.RELEASED:  # stopping: given back, never started
@@ -501,7 +536,14 @@ class Worker:
                 "concurrency": self.concurrency, "received": st.received,
                 "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
                 "throttled": st.throttled, "lease_lost": st.lease_lost,
-                **self.broker.registry_info()}
+                "laned": st.laned, **self._lane_info(), **self.broker.registry_info()}
+
+    def _lane_info(self) -> dict[str, Any]:
+        """sql://: whether the batch lane claims due jobs itself right now,
+        and how many it ran so (docs/worker.md, "The batch lane")."""
+        claims = self.lane.claims if self.lane is not None else None
+        return {} if claims is None else {"lane_leads": claims.leading,
+                                           "direct": self.stats.direct}
 
     def _queue_metrics(self, queue: str) -> tuple[Any, Any, Any, Any, Any]:
         """The per-queue metric children every job touches (start lateness,
@@ -519,10 +561,7 @@ class Worker:
     def _observe_start(self, rec: jobstore.JobRecord, started: datetime) -> None:
         lateness, queue_wait, *_ = self._queue_metrics(rec.queue)
         lateness.observe(seconds(started, rec.due_at))
-        available = rec.due_at
-        if rec.published_at is not None and rec.published_at > available:
-            available = rec.published_at
-        queue_wait.observe(seconds(started, available))
+        queue_wait.observe(seconds(started, _available(rec)))
 
     def _observe_outcome(self, rec: jobstore.JobRecord, outcome: Outcome,
                          started: datetime) -> None:
@@ -546,6 +585,13 @@ class Worker:
                 m.retried.labels(b, q).inc()
             elif outcome.status is RunStatus.DEAD:
                 m.dead.labels(b, q, cls).inc()
+
+
+def _available(rec: jobstore.JobRecord) -> datetime:
+    """When the job could first be started: due, and handed to the broker."""
+    if rec.published_at is not None and rec.published_at > rec.due_at:
+        return rec.published_at
+    return rec.due_at
 
 
 async def _hold_until(clock: Clock, due_at: datetime) -> None:

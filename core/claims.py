@@ -43,10 +43,11 @@ from .states import JobState
 from .tables import job
 
 
-def due(horizon: datetime, *, after: datetime | None = None,
+def due(horizon: datetime | ColumnElement[Any], *, after: datetime | None = None,
         fence: ColumnElement[bool] | None = None) -> ColumnElement[bool]:
     """The due predicate: ``SCHEDULED`` and due by ``horizon`` (and after
-    ``after``; ``fence``: a sharded relay's owned shards, still owned)."""
+    ``after``; ``fence``: a sharded relay's owned shards, still owned).
+    ``horizon`` may be a bound parameter, for a statement built once."""
     where = and_(job.c.state == JobState.SCHEDULED, job.c.due_at <= horizon)
     if after is not None:
         where = and_(where, job.c.due_at > after)
@@ -124,13 +125,14 @@ def lease(
     return leased
 
 
-def next_due(conn: Connection) -> datetime | None:
+def next_due(conn: Connection, after: datetime | None = None) -> datetime | None:
     """The earliest ``due_at`` among SCHEDULED jobs (an index seek): when
-    :func:`due` next matches a row."""
-    return conn.execute(
-        select(job.c.due_at).where(job.c.state == JobState.SCHEDULED)
-        .order_by(job.c.due_at).limit(1)
-    ).scalar()
+    :func:`due` next matches a row; ``after``: the earliest later than it."""
+    where = job.c.state == JobState.SCHEDULED
+    if after is not None:
+        where = and_(where, job.c.due_at > after)
+    return conn.execute(select(job.c.due_at).where(where).order_by(job.c.due_at).limit(1)
+                        ).scalar()
 
 
 # --- the relay's claim --------------------------------------------------------
@@ -192,19 +194,22 @@ def claim_selected(
 def claim_for_run(
     conn: Connection, *, owner: str, now: datetime, limit: int, lease_until: datetime,
     queues: Sequence[str] | None, worker: str, horizon: datetime | None = None,
-    ids: Sequence[uuid.UUID] | None = None,
+    ids: Sequence[uuid.UUID] | None = None, after: datetime | None = None,
 ) -> list[JobRecord]:
     """``sql://``: SCHEDULED and due → RUNNING, in one short transaction.
     ``horizon`` (later than ``now``): also jobs due by then, which the caller
     holds until their due time; their ``started_at`` is that due time.
-    ``ids``: exactly these rows, which this transaction already picked and
-    locked (the fair claim, :func:`class_candidates`), instead of the earliest due."""
+    ``after``: only jobs due later than it (the worker's batch lane claims
+    the others itself, core/unstarted.py).  ``ids``: exactly these rows,
+    which this transaction already picked and locked (the fair claim,
+    :func:`class_candidates`; the lane's rows it does not run), instead of
+    the earliest due."""
     if ids is not None:
         if not ids:
             return []
         candidates = select(job.c.id).where(job.c.id.in_(list(ids)), due(horizon or now))
     else:
-        candidates = locked(due(horizon or now), limit, queues)
+        candidates = locked(due(horizon or now, after=after), limit, queues)
     started: Any = now
     if horizon is not None and horizon > now:
         started = case((job.c.due_at > now, job.c.due_at), else_=now)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -430,12 +431,41 @@ class PgWaker:
 
 
 def bound_idle_transaction(conn: Connection, seconds: float) -> None:
-    """PostgreSQL: end this transaction's session if it sits idle (no
-    statement running) longer than ``seconds`` — a process paused (SIGSTOP)
-    or cut off while its transaction holds row locks that are its jobs'
-    leases.  The server then releases the locks and lease expiry hands the
-    jobs over as it would from any lost worker; the paused process's
-    transaction can no longer commit.  For this transaction only."""
+    """End this transaction's session if it sits idle (no statement
+    running) longer than ``seconds`` — a process paused (SIGSTOP) or cut off
+    while its transaction holds row locks that are its jobs' leases.  The
+    server then releases the locks and lease expiry (or the next claim) hands
+    the jobs over as it would from any lost worker; the paused process's
+    transaction can no longer commit.  For this transaction only.
+
+    PostgreSQL: ``SET LOCAL idle_in_transaction_session_timeout``.  MariaDB:
+    ``idle_transaction_timeout`` (whole seconds), a session variable, so the
+    connection's next check-in sets it back (a handler's own transaction on
+    it later may sit idle as long as it needs).  MySQL has no such bound:
+    there the rows wait for the paused process."""
     if conn.dialect.name == "postgresql":
         conn.exec_driver_sql(
             f"SET LOCAL idle_in_transaction_session_timeout = {max(1, int(seconds * 1000))}")
+    elif getattr(conn.dialect, "is_mariadb", False):
+        conn.exec_driver_sql(f"SET SESSION idle_transaction_timeout = {max(1, math.ceil(seconds))}")
+        conn.connection.info[_IDLE_BOUND] = True
+        if not event.contains(conn.engine.pool, "checkin", _unbound_on_checkin):
+            event.listen(conn.engine.pool, "checkin", _unbound_on_checkin)
+
+
+_IDLE_BOUND = "duebox_idle_bound"
+
+
+def _unbound_on_checkin(dbapi_conn: Any, record: Any) -> None:
+    """MariaDB: a connection that had an idle-transaction bound back in the
+    pool without it (bound_idle_transaction)."""
+    if dbapi_conn is None or not record.info.pop(_IDLE_BOUND, False):
+        return
+    try:
+        cursor = dbapi_conn.cursor()
+        try:
+            cursor.execute("SET SESSION idle_transaction_timeout = 0")
+        finally:
+            cursor.close()
+    except Exception:  # a connection that went away: the pool discards it anyway
+        record.invalidate()

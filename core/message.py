@@ -288,6 +288,12 @@ class JobMessage:
             raise MessageDecodeError("body", "must be a JSON duebox message", raw[:100]) from exc
         if not isinstance(data, dict):
             raise MessageDecodeError("body", "must be a JSON object", body)
+        return cls.from_data(data)
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> JobMessage:
+        """The message an envelope already parsed from JSON holds (one of a
+        pack's, brokers/amqp_pack.py), checked as :meth:`decode` checks it."""
         if data.get("format") != FORMAT:
             raise MessageDecodeError("format", f"must be {FORMAT!r}", data.get("format"))
         try:

@@ -231,6 +231,16 @@ def kafka_bootstrap() -> Iterator[str]:
 
 
 @pytest.fixture
+def roomy_group_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups and lane batches as large as what is waiting: a loaded machine
+    must not cut them at the 50 ms group budget (tests of the budget set
+    their own).  ``pytestmark = pytest.mark.usefixtures(...)`` in a file."""
+    from duebox.consumers import group_commit
+
+    monkeypatch.setattr(group_commit, "_BUDGET", 5.0)
+
+
+@pytest.fixture
 def runner(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A click runner for ``duebox`` against ``database_url``, with
     ``tests.apps.cli_app:app`` pointed at it (and no operator in the env)."""

@@ -15,11 +15,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -176,6 +177,21 @@ def duebox_row_counts(engine: Engine) -> dict[str, int]:
 def states(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         return jobstore.counts_by_state(conn)
+
+
+@contextlib.contextmanager
+def row_locked(engine: Engine, job_id: uuid.UUID) -> Iterator[Callable[[], None]]:
+    """Another transaction holding the job's row lock (``FOR UPDATE``) until
+    the function yielded is called, or the block ends."""
+    conn = engine.connect()
+    tx = conn.begin()
+    conn.execute(sa.select(job.c.id).where(job.c.id == job_id).with_for_update())
+    try:
+        yield tx.rollback
+    finally:
+        if tx.is_active:
+            tx.rollback()
+        conn.close()
 
 
 def all_final(engine: Engine, ids: list[uuid.UUID], state: str = "SUCCEEDED") -> bool:

@@ -38,6 +38,11 @@ def forged_future(n: int = 40, *, queue: str = "a.*.b", due_in: float = 3600.0) 
     return [envelope(due_in=due_in, queue=queue) for _ in range(n)]
 
 
+def pack(*envelopes: bytes) -> bytes:
+    """A pack's body (brokers/amqp_pack.py) around these envelopes, as is."""
+    return b'{"format":"duebox-pack/1","jobs":[' + b",".join(envelopes) + b"]}"
+
+
 def deep_json(levels: int = 1000) -> bytes:
     """Arrays and objects nested ``levels`` deep, past ``json.loads``'s
     recursion limit at 1,000."""
@@ -101,13 +106,18 @@ class Forger:
         else:
             raise ValueError(f"no forger for {self.scheme}://")
 
-    def send(self, raw: bytes, queue: str = "default") -> None:
+    def send(self, raw: bytes, queue: str = "default",
+             headers: dict[str, str] | None = None) -> None:
+        """``headers``: AMQP message headers (RabbitMQ only: a forged pack)."""
         if self.scheme == "redis":
             prefix = self.params.get("prefix", "duebox")
             self._client.xadd(f"{prefix}:{{{queue}}}:ready", {"id": "", "v": "1", "body": raw})
         elif self.scheme == "amqp":
             prefix = self.params.get("prefix", "duebox")
-            self._channel.basic_publish("", f"{prefix}.q.{queue}", raw)
+            import pika
+
+            self._channel.basic_publish("", f"{prefix}.q.{queue}", raw,
+                                        pika.BasicProperties(headers=headers))
         elif self.scheme == "sqs":
             name = self.params.get("prefix", "duebox-") + queue
             url = self._client.get_queue_url(QueueName=name)["QueueUrl"]

@@ -43,7 +43,7 @@ from helpers import (
 )
 
 import duebox
-from duebox.brokers import amqp_link
+from duebox.brokers import amqp_link, amqp_pack
 from duebox.brokers.amqp import AMQPBroker
 from duebox.brokers.amqp_topology import (
     LEVELS,
@@ -561,7 +561,7 @@ async def test_forced_plugin_mode_without_plugin_is_a_clear_error(
 
 
 async def test_returned_and_nacked_publishes_are_not_ok(fake_pika: type[FakeConnection]) -> None:
-    b = broker("amqp://guest:guest@rabbit.example/%2F?delay_mode=tiers")
+    b = broker("amqp://guest:guest@rabbit.example/%2F?delay_mode=tiers&pack=1")
     fake_pika.outcomes = ["ack", "return", "nack", "ack"]
     msgs = [message("orders") for _ in range(4)]
     results = await b.publish([Outgoing(m, 0.0) for m in msgs])
@@ -570,6 +570,48 @@ async def test_returned_and_nacked_publishes_are_not_ok(fake_pika: type[FakeConn
     assert "nack" in (results[2].error or "")
     assert [r.job_id for r in results] == [m.job_id for m in msgs]
     await b.close()
+
+
+async def test_due_jobs_of_a_queue_share_a_message_and_its_confirm(
+        fake_pika: type[FakeConnection]) -> None:
+    """Five due jobs of ``orders``, two of ``mail``, one delayed, with
+    ``pack=3``: messages of at most three due jobs per queue, the delayed
+    job alone; a pack returned by the broker fails every job in it."""
+    b = broker("amqp://guest:guest@rabbit.example/%2F?delay_mode=tiers&pack=3")
+    orders = [message("orders") for _ in range(5)]
+    mail = [message("mail") for _ in range(2)]
+    later = message("orders", 5.0)
+    batch = [Outgoing(m, 0.0) for m in orders[:2]] + [Outgoing(mail[0], 0.0),
+             Outgoing(later, 5.0)] + [Outgoing(m, 0.0) for m in orders[2:] + mail[1:]]
+    fake_pika.outcomes = ["ack", "ack", "ack", "return"]
+    results = await b.publish(batch)
+    published = [c for c in fake_pika.instances[-1].calls if c[0] == "basic_publish"]
+    packs = [int(c[3].headers[amqp_pack.HEADER_PACK]) for c in published
+             if amqp_pack.HEADER_PACK in (c[3].headers or {})]
+    singles = [c[3].message_id for c in published
+               if amqp_pack.HEADER_PACK not in (c[3].headers or {})]
+    assert sorted(packs) == [2, 2, 3]  # orders 1-3, mail 1-2, orders 4-5
+    assert singles == [str(later.job_id)]
+    assert [r.job_id for r in results] == [o.message.job_id for o in batch]
+    failed = {r.job_id for r in results if not r.ok}
+    # The fourth message published (the second pack of orders) came back.
+    assert failed == {orders[3].job_id, orders[4].job_id}
+    await b.close()
+
+
+async def test_pack_1_publishes_one_job_per_message(fake_pika: type[FakeConnection]) -> None:
+    b = broker("amqp://guest:guest@rabbit.example/%2F?delay_mode=tiers&pack=1")
+    await b.publish([Outgoing(message("orders"), 0.0) for _ in range(4)])
+    published = [c for c in fake_pika.instances[-1].calls if c[0] == "basic_publish"]
+    assert len(published) == 4
+    assert not any(amqp_pack.HEADER_PACK in (c[3].headers or {}) for c in published)
+    await b.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1001", "2.5", "x", ""])
+def test_a_bad_pack_size_names_the_parameter(value: str) -> None:
+    with pytest.raises(ConfigurationError, match="pack must be an integer"):
+        broker(f"amqp://guest:guest@rabbit.example/%2F?pack={value}")
 
 
 # --- against the real RabbitMQ: picking the delay mode ------------------------------
@@ -894,3 +936,116 @@ async def test_sigkilled_worker_messages_are_redelivered_and_deduplicated(
     # a slow machine, already recovered and ran it; either way once.
     assert second.stats.received >= 2
     check_no_early_start(app.engine)
+
+
+async def test_acking_many_never_acks_a_delivery_still_in_hand(amqp_url: str) -> None:
+    """``ack_many`` turns the run of the lowest unsettled tags into one
+    ``multiple`` ack, which acks *every* unsettled tag up to it: a delivery
+    still being handled inside that range must not be acked with them.  Ten
+    messages in hand, three batches acked out of order (one with deliveries
+    in hand between its tags), the consumer's connection closed: exactly the
+    unacked ones are back in the queue.  (One job per message: ``pack=1``.)"""
+    q = unique()
+    url = f"{amqp_url}?pack=1"
+    pub, con = broker(url, "pub"), broker(url, "con")
+    await pub.declare([q])
+    sent = [message(q, n=i) for i in range(10)]
+    assert all(r.ok for r in await pub.publish([Outgoing(m, 0.0) for m in sent]))
+    got: list[Delivery] = []
+
+    async def take() -> None:
+        async for d in con.consume([q], 50):
+            got.append(d)
+
+    taker = asyncio.create_task(take())
+    try:
+        await until(lambda: len(got) >= 10, seconds=15, what="10 deliveries")
+        by_n = {d.message.payload["n"]: d for d in got if d.message is not None}
+        await con.ack_many([by_n[2], by_n[0], by_n[1]])  # the lowest run: one multiple ack
+        await con.ack_many([by_n[4], by_n[6]])  # 3 and 5 still in hand between them
+        await con.ack_many([by_n[9]])
+    finally:
+        taker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await taker
+        await con.close()  # what is unacked goes back to the queue
+        await pub.close()
+    back = []
+    with admin(amqp_url) as ch:
+        name = broker(amqp_url).queue_name(q)
+        while (m := ch.basic_get(name, auto_ack=True))[0] is not None:
+            back.append(JobMessage.decode(m[2]).payload["n"])
+    assert sorted(back) == [3, 5, 7, 8]
+
+
+# --- packs of due jobs (brokers/amqp_pack.py) ------------------------------------
+
+
+async def test_due_jobs_travel_in_packs_and_each_runs_once(
+        database_url: str, amqp_url: str, make_app: MakeApp) -> None:
+    """100 jobs already due, published by a relay before any worker runs:
+    they sit in the queue as packs of at most ``pack`` jobs (far fewer
+    messages than jobs); a worker then runs each once, acks every pack
+    (the queue drains to empty) and nothing early."""
+    q = unique()
+    url = f"{amqp_url}?pack=8"
+    app = make_app(database_url, url, q)
+    with app.engine.begin() as conn:
+        ids = [app.schedule(conn, "effect", {"n": n}) for n in range(100)]
+    relay = Relay(app)
+    stop, tasks = await start(relay)
+    try:
+        await until(lambda: all(state(app, i) == "ENQUEUED" for i in ids), seconds=30,
+                    what="all 100 published", check=alive(tasks))
+    finally:
+        await finish(stop, tasks)
+    name = broker(url).queue_name(q)
+    held = message_count(url, name)
+    assert 13 <= held <= 30  # 100 / 8 = 13 when every claim's batch packs fully
+    worker = Worker(app, concurrency=4)
+    stop, tasks = await start(worker)
+    try:
+        await until(lambda: len(effect_rows(app.engine)) == 100, seconds=60,
+                    what="all 100 run", check=alive(tasks))
+        await until(lambda: message_count(url, name) == 0, seconds=20,
+                    what="every pack acked", check=alive(tasks))
+    finally:
+        await finish(stop, tasks)
+    assert sorted(effect_rows(app.engine)) == sorted(str(i) for i in ids)
+    assert all(state(app, i) == "SUCCEEDED" for i in ids)
+    check_no_early_start(app.engine)
+
+
+async def test_a_stopping_consumer_gives_back_what_it_never_handled_of_a_pack(
+        amqp_url: str) -> None:
+    """A consumer that stops with three of a pack's ten jobs handed out and
+    seven never handled: once the three are settled it publishes the seven
+    again and acks the pack — the finished three never come back (a worker
+    stopped with SIGTERM acks every job it finished), and none is lost."""
+    q = unique()
+    pub, con = broker(amqp_url, "pub"), broker(amqp_url, "con")
+    await pub.declare([q])
+    jobs = [message(q, n=i) for i in range(10)]
+    assert all(r.ok for r in await pub.publish([Outgoing(m, 0.0) for m in jobs]))
+    name = pub.queue_name(q)
+    handed: list[Delivery] = []
+    stream = con.consume([q], 50)
+    try:
+        async for d in stream:
+            handed.append(d)
+            if len(handed) == 3:
+                break
+    finally:
+        await stream.aclose()  # the 7 not handed out are given back
+    assert message_count(amqp_url, name) == 0  # unacked: still this consumer's
+    await con.ack_many(handed[:2])
+    await con.ack(handed[2])  # the last one out: the seven go back now
+    await until(lambda: message_count(amqp_url, name) == 1, seconds=10,
+                what="the unhandled jobs back in the queue")
+    await con.close()
+    await pub.close()
+    with admin(amqp_url) as ch:
+        _, props, body = ch.basic_get(name, auto_ack=True)
+        assert ch.basic_get(name, auto_ack=True)[0] is None  # the pack itself was acked
+    assert props.headers[amqp_pack.HEADER_PACK] == "7"
+    assert [m.job_id for m in amqp_pack.decode(body)] == [m.job_id for m in jobs[3:]]

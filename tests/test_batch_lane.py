@@ -28,10 +28,10 @@ from helpers import (
     effects,
     job_row,
     make_app,
+    row_locked,
 )
 
 import duebox
-from duebox.consumers import group_commit
 from duebox.consumers.lane import Lane
 from duebox.tables import job
 from duebox.tasks import RetryPolicy
@@ -39,11 +39,7 @@ from duebox.tasks import RetryPolicy
 FAST_RETRY = RetryPolicy(base=0.05, cap=0.1)
 
 
-@pytest.fixture(autouse=True)
-def roomy_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches as large as what arrived: a loaded machine must not cut them
-    at the 50 ms budget."""
-    monkeypatch.setattr(group_commit, "_BUDGET", 5.0)
+pytestmark = pytest.mark.usefixtures("roomy_group_budget")
 
 
 def seen_short_handlers(r: Running) -> None:
@@ -173,23 +169,16 @@ async def test_a_row_locked_elsewhere_is_skipped_then_run_once(server_url: str,
     async with Running(app, relays=1, workers=0) as r:
         await r.wait(lambda: _count(app, "ENQUEUED") == 10, timeout=30,
                      what="the relay to publish all 10 jobs")
-    locker = app.engine.connect()
-    tx = locker.begin()
-    locker.execute(sa.select(job.c.id).where(job.c.id == held).with_for_update())
-    try:
+    with row_locked(app.engine, held) as release:
         async with Running(app, relays=1, workers=1, concurrency=4) as r:
             seen_short_handlers(r)
             others = [j for j in ids if j != held]
             await r.wait(lambda: all_final(app.engine, others), timeout=60,
                          what="the 9 unlocked jobs to succeed")
             assert job_row(app.engine, held).state == "ENQUEUED"
-            tx.rollback()
+            release()
             await r.wait(lambda: all_final(app.engine, [held]), timeout=60,
                          what="the once-locked job to succeed")
-    finally:
-        if tx.is_active:
-            tx.rollback()
-        locker.close()
     assert r.worker_total("laned") > 0
     assert [c for c, _ in app.calls.log].count(str(held)) == 1  # type: ignore[attr-defined]
     assert len(effect_rows(app.engine)) == 10

@@ -39,11 +39,7 @@ from duebox.tasks import RetryPolicy
 FAST_RETRY = RetryPolicy(base=0.05, cap=0.1)
 
 
-@pytest.fixture(autouse=True)
-def roomy_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Groups as large as the backlog: a loaded machine must not split them
-    at the 50 ms budget (the test of the budget sets its own)."""
-    monkeypatch.setattr(group_commit, "_BUDGET", 5.0)
+pytestmark = pytest.mark.usefixtures("roomy_group_budget")
 
 
 @pytest.fixture(autouse=True)

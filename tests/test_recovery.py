@@ -116,10 +116,11 @@ class Lone:
         poll(f"{name} to register", lambda: registered(self.app.engine, [name]), timeout=60,
              check=self.procs.check)
 
-    def schedule(self, sleep: dict[str, float]) -> uuid.UUID:
-        """One job, due now; its handler sleeps ``sleep[worker]`` seconds."""
+    def schedule(self, sleep: dict[str, float], at: datetime | None = None) -> uuid.UUID:
+        """One job, due now (or ``at``); its handler sleeps ``sleep[worker]``
+        seconds."""
         with Session(self.app.engine) as s, s.begin():
-            job_id = self.app.schedule(s, "rec_effect", {"sleep": sleep})
+            job_id = self.app.schedule(s, "rec_effect", {"sleep": sleep}, at=at)
         assert isinstance(job_id, uuid.UUID)
         return job_id
 
@@ -127,6 +128,12 @@ class Lone:
         """Whether ``name`` has entered the handler (its line in the external log)."""
         return self.external.exists() and any(
             line.split()[1] == name for line in self.external.read_text().splitlines())
+
+    def handler_ran(self, job_id: uuid.UUID, name: str) -> bool:
+        """Whether ``name`` has entered the handler of ``job_id``."""
+        return self.external.exists() and any(
+            line.split()[:2] == [str(job_id), name]
+            for line in self.external.read_text().splitlines())
 
     def row(self, job_id: uuid.UUID) -> Any:
         with self.app.engine.connect() as conn:
@@ -153,8 +160,8 @@ def _env(settings: str) -> dict[str, str]:
     return dict(os.environ, DUEBOX_REC_SETTINGS=settings)
 
 
-@pytest.fixture
-def lone(database_url: str, tmp_path: Path) -> Iterator[Lone]:
+@contextlib.contextmanager
+def _lone(tmp_path: Path, database_url: str) -> Iterator[Lone]:
     # Short leases, so a pause can outlast one within the test; the relay
     # recovers every second.
     lo = Lone(tmp_path, database_url, "lease_seconds=3,clock_skew_margin=0.3,poll_interval=0.2")
@@ -162,6 +169,12 @@ def lone(database_url: str, tmp_path: Path) -> Iterator[Lone]:
         yield lo
     finally:
         lo.close()
+
+
+@pytest.fixture
+def lone(database_url: str, tmp_path: Path) -> Iterator[Lone]:
+    with _lone(tmp_path, database_url) as lo:
+        yield lo
 
 
 def test_a_paused_worker_is_not_taken_for_dead_and_its_late_writes_are_refused(
@@ -201,6 +214,61 @@ def test_a_paused_worker_is_not_taken_for_dead_and_its_late_writes_are_refused(
 
 def _aware(at: datetime) -> datetime:
     return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+@pytest.fixture
+def lone_server(server_url: str, tmp_path: Path) -> Iterator[Lone]:
+    """:func:`lone` on PostgreSQL and MariaDB, where the batch lane runs."""
+    reset_tables(server_url)
+    with _lone(tmp_path, server_url) as lo:
+        yield lo
+
+
+def test_a_worker_paused_inside_a_lane_batch_holds_its_rows_for_the_lease_only(
+    lone_server: Lone
+) -> None:
+    """sql://: w1's batch lane locked a due job (no claim written) and is
+    SIGSTOPped inside its handler.  The database ends the paused
+    transaction once it has been idle for the lease (``lease_seconds``), so
+    the row is free and w2 runs the job; w1's run left nothing behind (no
+    claim, no attempt), and after SIGCONT its lost transaction changes
+    nothing: one effect, w2's."""
+    lone = lone_server
+    lone.start("worker", "w1")
+
+
+    def leads() -> bool:
+        """Short handlers until w1's lane leads (how soon depends on the
+        machine's load: a handler's pace includes its commit)."""
+        if lone.info("w1").get("lane_leads"):
+            return True
+        warm = [lone.schedule(sleep={}) for _ in range(20)]
+        poll("warm-up jobs", lambda: all(lone.row(j).state == "SUCCEEDED" for j in warm),
+             timeout=60, check=lone.procs.check)
+        return False
+
+    poll("w1's lane to lead", leads, timeout=120, check=lone.procs.check)
+    # Due a moment ago: the lane's (a job not yet due is the claimer's).
+    job_id = lone.schedule(sleep={"w1": 8.0}, at=datetime.now(UTC) - timedelta(seconds=1))
+    poll("w1 to enter the job's handler", lambda: lone.handler_ran(job_id, "w1"), timeout=30,
+         check=lone.procs.check, interval=0.01)
+    lone.procs.signal("w1", signal.SIGSTOP)
+    stopped_at = datetime.now(UTC)
+    assert lone.row(job_id).claimed_at is None  # the lane's own: locked, never claimed
+    lone.start("worker", "w2")
+    poll("w2 to run the job", lambda: lone.row(job_id).state == "SUCCEEDED", timeout=60,
+         check=lone.procs.check)
+    (only,) = lone.attempts(job_id)
+    assert (only.worker, only.outcome) == ("w2", "succeeded"), only
+    # Free only once the paused transaction had been idle for the lease.
+    assert _aware(only.started_at) >= stopped_at + timedelta(seconds=1.5), only
+    lone.procs.signal("w1", signal.SIGCONT)
+    after = [lone.schedule(sleep={}) for _ in range(10)]
+    poll("jobs after the pause", lambda: all(lone.row(j).state == "SUCCEEDED" for j in after),
+         timeout=60, check=lone.procs.check)
+    effects = effect_rows(lone.app.engine)
+    assert effects[str(job_id)].worker == "w2"
+    assert [a.outcome for a in lone.attempts(job_id)] == ["succeeded"]
 
 
 @pytest.mark.postgres

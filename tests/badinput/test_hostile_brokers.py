@@ -32,7 +32,7 @@ from helpers import (
     schedule_committed,
     wait_for,
 )
-from hostile import GARBAGE, Forger, deep_json, envelope, forged_future
+from hostile import GARBAGE, Forger, deep_json, envelope, forged_future, pack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -298,3 +298,64 @@ async def handled(app: Any, body: bytes) -> list[tuple[str, Any]]:
     # A decode error's reason is its text: keep the field it names.
     return [(a, v.split(":")[0] if a == "reject" and ":" in str(v) else v)
             for a, v in broker.actions]
+
+
+@POSTGRES
+async def test_forged_packs_on_rabbitmq_are_bounded_like_messages(
+        database_url: str, request: pytest.FixtureRequest) -> None:
+    """Anyone who can write to the queue can send a message with the
+    ``duebox-pack`` header: a body that is no pack, an empty pack, one of
+    1,001 envelopes, one nested 40,000 deep are each discarded whole (into
+    the dead-letter queue); a pack mixing an unknown job, garbage, a stale
+    copy and a real job's own envelope discards the first three one by one
+    and runs the real job once.  Real jobs beside them run on time, the
+    worker never stops, and every forged pack leaves the queue."""
+    header = {"duebox-pack": "1"}
+    async with real_broker("amqp", request) as broker_url:
+        app = make_app(database_url, broker_url, lease_seconds=10.0)
+        try:
+            async with Running(app) as r:
+                first = schedule_committed(app, "effect")  # the consumer is attached
+                await r.wait(lambda: all_final(app.engine, [first]), timeout=60,
+                             what="the first real job to run")
+                later = schedule_committed(app, "effect", delay=0.5)
+                with Forger(broker_url) as forger:
+                    for body in (b"{not json", pack(), pack(*[envelope()] * 1001),
+                                 b'{"format":"duebox-pack/1","jobs":[' + deep_json(40_000)
+                                 + b"]}"):
+                        await asyncio.to_thread(forger.send, body, "default", header)
+                    await asyncio.to_thread(forger.send, pack(
+                        envelope(), b"42", envelope(first, version=9), envelope(later)),
+                        "default", header)
+                real = [schedule_committed(app, "effect", {"n": n}, delay=1.0)
+                        for n in range(REAL_JOBS)]
+                expected = {"undecodable": 4, "too_deep": 1, "unknown_job": 1,
+                            "stale_version": 1}
+
+                def counted() -> bool:
+                    return all(r.discarded.get(k, 0) >= n for k, n in expected.items())
+
+                await r.wait(lambda: all_final(app.engine, [*real, later]), timeout=60,
+                             what="every real job to run beside the forged packs")
+                await r.wait(counted, timeout=60, what="every forged pack to be discarded")
+            discarded = r.discarded
+            assert {k: discarded.get(k, 0) for k in expected} == expected
+            assert lateness(app, real) < ON_TIME
+            assert set(effect_rows(app.engine)) == {str(i) for i in (first, later, *real)}
+            assert all(len(attempt_rows(app.engine, i)) == 1 for i in (later, *real))
+            assert _amqp_ready(broker_url, "default") == 0  # none left, none requeued
+        finally:
+            await app.adispose()
+
+
+def _amqp_ready(broker_url: str, queue: str) -> int:
+    """Messages ready in a duebox queue on RabbitMQ (its default names)."""
+    import pika
+
+    params = dict(p.split("=", 1) for p in broker_url.partition("?")[2].split("&") if p)
+    conn = pika.BlockingConnection(pika.URLParameters(broker_url.partition("?")[0]))
+    try:
+        name = f"{params.get('prefix', 'duebox')}.q.{queue}"
+        return int(conn.channel().queue_declare(name, passive=True).method.message_count)
+    finally:
+        conn.close()
