@@ -41,12 +41,19 @@ def _session_service(variable: str, address: Callable[[int], str]) -> tuple[str,
     session's fixtures start (and stop) a service on: two sessions on one
     machine (a developer's run beside a CI rehearsal, two worktrees) then
     never share, restart or stop each other's.  The choice goes into the
-    environment, so the processes a test starts find the same service."""
+    environment, so the processes a test starts find the same service.
+
+    ``{variable}_OWN`` names the session that chose: each pytest-xdist
+    worker is a session of its own, with its own service, and must not
+    take the one its controller's environment (inherited when the workers
+    were started) names."""
     own = f"{variable}_OWN"
-    if variable not in os.environ:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    chosen_by = os.environ.get(own)
+    if variable not in os.environ or (worker and chosen_by and chosen_by != worker):
         os.environ[variable] = address(free_port())
-        os.environ[own] = "1"
-    return os.environ[variable], os.environ.get(own) == "1"
+        os.environ[own] = worker or "main"
+    return os.environ[variable], own in os.environ
 
 
 # LocalStack's SQS (localstack/start.sh) and a Kafka-protocol broker
