@@ -180,18 +180,23 @@ def plugin_delayed(vhost: str, exchange: str, *, delete: bool = False) -> int:
 def scratch_vhost(name: str, user: str = "guest") -> Iterator[str]:
     """A RabbitMQ vhost of the caller's own that ``user`` may use, deleted at
     the end with everything in it.  Yields its name."""
-    rabbitmqctl("add_vhost", name)
+    _once_it_runs("add_vhost", name)
     try:
-        rabbitmqctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
+        _once_it_runs("set_permissions", "-p", name, user, ".*", ".*", ".*")
         yield name
     finally:
-        try:
-            rabbitmqctl("delete_vhost", name)
-        except subprocess.CalledProcessError:
-            # The broker is shared: another session's restart test may have
-            # its app stopped right now (rabbitmqctl then exits 64).
-            rabbitmqctl("await_startup", timeout=120)
-            rabbitmqctl("delete_vhost", name)
+        _once_it_runs("delete_vhost", name)
+
+
+def _once_it_runs(*args: str) -> str:
+    """``rabbitmqctl ARGS``, again once the broker's app runs if it was
+    stopped: the broker is shared, and another session's restart test (or
+    the soak's) may have it stopped right now (rabbitmqctl then exits 64)."""
+    try:
+        return rabbitmqctl(*args)
+    except subprocess.CalledProcessError:
+        rabbitmqctl("await_startup", timeout=120)
+        return rabbitmqctl(*args)
 
 
 class Keys:
