@@ -6,6 +6,11 @@ Each test session creates its own PostgreSQL database (dropped at the end),
 so tests never assume a clean shared one.  A service that cannot be reached
 fails the test under ``CI=true`` and skips it, loudly, only on a developer
 machine without it.
+
+The suite runs in 2 processes (pytest-xdist, pyproject's addopts), each a
+session of its own with its own databases, vhost, LocalStack and Kafka mock;
+a test that stops or restarts a server they share is marked ``exclusive``
+and runs alone.  tests/README.md, "In parallel", says what a new test needs.
 """
 
 from __future__ import annotations
