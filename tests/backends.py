@@ -41,12 +41,19 @@ def _session_service(variable: str, address: Callable[[int], str]) -> tuple[str,
     session's fixtures start (and stop) a service on: two sessions on one
     machine (a developer's run beside a CI rehearsal, two worktrees) then
     never share, restart or stop each other's.  The choice goes into the
-    environment, so the processes a test starts find the same service."""
+    environment, so the processes a test starts find the same service.
+
+    ``{variable}_OWN`` names the session that chose: each pytest-xdist
+    worker is a session of its own, with its own service, and must not
+    take the one its controller's environment (inherited when the workers
+    were started) names."""
     own = f"{variable}_OWN"
-    if variable not in os.environ:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    chosen_by = os.environ.get(own)
+    if variable not in os.environ or (worker and chosen_by and chosen_by != worker):
         os.environ[variable] = address(free_port())
-        os.environ[own] = "1"
-    return os.environ[variable], os.environ.get(own) == "1"
+        os.environ[own] = worker or "main"
+    return os.environ[variable], own in os.environ
 
 
 # LocalStack's SQS (localstack/start.sh) and a Kafka-protocol broker
@@ -173,18 +180,23 @@ def plugin_delayed(vhost: str, exchange: str, *, delete: bool = False) -> int:
 def scratch_vhost(name: str, user: str = "guest") -> Iterator[str]:
     """A RabbitMQ vhost of the caller's own that ``user`` may use, deleted at
     the end with everything in it.  Yields its name."""
-    rabbitmqctl("add_vhost", name)
+    _once_it_runs("add_vhost", name)
     try:
-        rabbitmqctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
+        _once_it_runs("set_permissions", "-p", name, user, ".*", ".*", ".*")
         yield name
     finally:
-        try:
-            rabbitmqctl("delete_vhost", name)
-        except subprocess.CalledProcessError:
-            # The broker is shared: another session's restart test may have
-            # its app stopped right now (rabbitmqctl then exits 64).
-            rabbitmqctl("await_startup", timeout=120)
-            rabbitmqctl("delete_vhost", name)
+        _once_it_runs("delete_vhost", name)
+
+
+def _once_it_runs(*args: str) -> str:
+    """``rabbitmqctl ARGS``, again once the broker's app runs if it was
+    stopped: the broker is shared, and another session's restart test (or
+    the soak's) may have it stopped right now (rabbitmqctl then exits 64)."""
+    try:
+        return rabbitmqctl(*args)
+    except subprocess.CalledProcessError:
+        rabbitmqctl("await_startup", timeout=120)
+        return rabbitmqctl(*args)
 
 
 class Keys:

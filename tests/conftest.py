@@ -6,6 +6,11 @@ Each test session creates its own PostgreSQL database (dropped at the end),
 so tests never assume a clean shared one.  A service that cannot be reached
 fails the test under ``CI=true`` and skips it, loudly, only on a developer
 machine without it.
+
+The suite runs in 2 processes (pytest-xdist, pyproject's addopts), each a
+session of its own with its own databases, vhost, LocalStack and Kafka mock;
+a test that stops or restarts a server they share is marked ``exclusive``
+and runs alone.  tests/README.md, "In parallel", says what a new test needs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
+
+import exclusive
 
 # Imported now, while only this thread runs: hypothesis' pytest plugin
 # imports it lazily at the end of the session, and CPython 3.11.7's ast.parse
@@ -47,6 +54,46 @@ from duebox import migrate
 PG_ADMIN_URL = os.environ.get("DUEBOX_TEST_PG", "postgresql+psycopg://127.0.0.1:5432/postgres")
 MYSQL_ADMIN_URL = os.environ.get("DUEBOX_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# The processes `-n auto` runs the suite in (pytest_xdist_auto_num_workers).
+WORKERS = 2
+RUN_LOCK = exclusive.for_this_worker()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many processes ``-n auto`` (pyproject's addopts) runs the suite
+    in: PYTEST_XDIST_AUTO_NUM_WORKERS, else WORKERS, whatever the machine.
+    Each worker starts its own LocalStack and Kafka mock, and the suite is
+    sized for the 2-core machines CI runs on (tests/README.md)."""
+    return int(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or WORKERS)
+
+
+def _parallel_controller(config: pytest.Config) -> bool:
+    return (not hasattr(config, "workerinput")
+            and config.pluginmanager.hasplugin("xdist")
+            and config.getoption("dist", "no") != "no")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _parallel_controller(config):
+        exclusive.make_folder()  # before the workers start: they inherit its name
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _parallel_controller(config):
+        exclusive.remove_folder()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """In a parallel run, a test marked ``exclusive`` runs while no other
+    test does (tests/exclusive.py); every other test runs beside the rest."""
+    lock = RUN_LOCK
+    if lock is None:
+        return (yield)
+    hold = lock.exclusive if item.get_closest_marker(exclusive.MARKER) else lock.shared
+    with hold():
+        return (yield)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -83,9 +83,12 @@ async def test_many_jobs_claimed_ahead_are_read_again_together(database_url: str
 
     from helpers import all_final
 
-    app = make_app(database_url, "sql://?lookahead=1.5")
+    # Due 4 s ahead, within the 5 s lookahead: claimed at once, and cancelled
+    # before due even where a busy machine (a parallel run) takes seconds to
+    # claim all forty (at 1.2 s ahead some had started before the cancels).
+    app = make_app(database_url, "sql://?lookahead=5")
     try:
-        due = datetime.now(UTC) + timedelta(seconds=1.2)
+        due = datetime.now(UTC) + timedelta(seconds=4)
         with app.engine.begin() as conn:
             ids = [app.schedule(conn, "effect", None, at=due) for _ in range(40)]
         cancelled = ids[::4]

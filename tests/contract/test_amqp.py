@@ -23,6 +23,7 @@ from helpers import Running, check_no_early_start, job_row, schedule_committed, 
 import duebox
 from duebox.brokers.amqp import AMQPBroker
 from duebox.brokers.amqp_topology import LEVELS, RADIX
+from duebox.brokers.base import Capabilities
 
 from .base import BackendContract, MakeApp, all_in, calls, relay_pass, state
 
@@ -131,6 +132,14 @@ class TestAMQPContract(BackendContract):
             assert count == len(held), "the broker lost delayed messages over the restart"
         await running.wait(lambda: all_in(app, held), timeout=HELD_DELAY + 30,
                            what="the held jobs ran after the restart")
+
+    # ``rabbitmqctl stop_app`` stops the broker every worker of a parallel
+    # run shares: nothing else may run meanwhile (tests/exclusive.py).
+    @pytest.mark.exclusive
+    @pytest.mark.slow
+    async def test_broker_restart_loses_nothing(self, apps: MakeApp,
+                                                caps: Capabilities) -> None:
+        await super().test_broker_restart_loses_nothing(apps, caps)
 
     async def test_delays_the_broker_lost_are_published_again(self, apps: MakeApp) -> None:
         """What the broker loses while delaying (the plugin disabled, its
