@@ -107,7 +107,9 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     w = Worker(app, queues=list(queues) or None, concurrency=concurrency,
                group_commit=group_commit)  # one line when it starts, one when it stops
     count = processes or cpu_count()
-    if count > 1:  # checked here, as one worker's; each child checks its own again
+    if count > 1:
+        # The app, its tables and the options were checked above, once;
+        # each child builds its own worker from them.
         app.dispose()
         options = {**click.get_current_context().find_root().params, "app_spec": app_spec,
                    "database_url": database_url, "broker_url": broker_url,
