@@ -294,7 +294,20 @@ async def running_in_each(relay: Running, app: duebox.Duebox, kids: list[int]) -
 
 async def test_jobs_run_once_across_the_processes_and_none_early(
         pg: str, broker_url: str, tmp_path: Path, fleets: list[Supervised]) -> None:
-    async with scene(pg, broker_url, tmp_path, fleets) as (app, fleet, relay, kids):
+    await _once_and_never_early(pg, broker_url, tmp_path, fleets)
+
+
+async def test_on_a_sqlite_file_too(tmp_path: Path, fleets: list[Supervised]) -> None:
+    """The embedded default (``sqlite:///duebox.db``, ``sql://``) under the
+    new default of one process per CPU: writers in several processes."""
+    url = f"sqlite:///{tmp_path}/duebox.db"
+    reset_tables(url)
+    await _once_and_never_early(url, "sql://", tmp_path, fleets)
+
+
+async def _once_and_never_early(database_url: str, broker_url: str, tmp_path: Path,
+                                fleets: list[Supervised]) -> None:
+    async with scene(database_url, broker_url, tmp_path, fleets) as (app, fleet, relay, kids):
         ids = schedule(app, 120, seconds=0.02, spread=3.0)
         await relay.wait(lambda: states(app)["SUCCEEDED"] == len(ids), timeout=120,
                          what="every job to succeed")
@@ -414,6 +427,29 @@ async def test_a_second_stop_signal_kills_the_processes_and_their_jobs_run_again
                          what="the relay to take the killed processes' jobs back")
         assert all(o == ["lost"] for o in outcomes(app).values()), outcomes(app)
         assert not effect_rows(app.engine)
+
+
+async def test_a_paused_supervisor_restarts_a_child_that_died_meanwhile(
+        pg: str, tmp_path: Path, fleets: list[Supervised]) -> None:
+    """SIGSTOP the supervisor, kill a child, SIGCONT: the signals it could not
+    act on while stopped are acted on once it runs (its children never
+    stopped: a pause of the whole worker is a pause of the process group)."""
+    async with scene(pg, "sql://", tmp_path, fleets) as (app, fleet, relay, kids):
+        ids = schedule(app, 12, seconds=1.0)
+        os.kill(fleet.pid, signal.SIGSTOP)
+        await relay.wait(lambda: (_stat(fleet.pid) or ("?", 0))[0] == "T", timeout=10,
+                         what="the supervisor to stop")
+        os.kill(kids[0], signal.SIGKILL)
+        await relay.wait(lambda: effect_rows(app.engine), timeout=60,
+                         what="the other child to go on working meanwhile")
+        assert fleet.children() == [kids[1]]
+        os.kill(fleet.pid, signal.SIGCONT)
+        await relay.wait(lambda: (now := up(fleet, app, 2)) and kids[0] not in now,
+                         timeout=UP, what="the resumed supervisor to start another")
+        await relay.wait(lambda: states(app)["SUCCEEDED"] == len(ids), timeout=90,
+                         what="every job to succeed")
+        assert fleet.stop() == 0, fleet.log()
+        assert {str(i) for i in ids} == set(effect_rows(app.engine))
 
 
 # --- metrics -----------------------------------------------------------------------------
