@@ -29,7 +29,9 @@ from .running import serve_metrics
 from .supervisor import Supervisor, SupervisorCollector
 
 ENV = "DUEBOX_PROCESSES"
-MOST = 1024  # each process holds its own database connections: far above any sane count
+# Each process holds its own database connections (256 × 8 handlers is
+# already 2,048) and the supervisor a pipe per child: far above a sane count.
+MOST = 256
 
 
 def cpu_count() -> int:

@@ -175,7 +175,11 @@ class Supervisor:
     def _start(self, child: Child) -> None:
         child.started = time.monotonic()
         child.restart_at = None
-        read, write = os.pipe()
+        try:
+            read, write = os.pipe()
+        except OSError as exc:  # out of file descriptors
+            self._again(child, f"worker process {child.slot} could not be started ({exc})")
+            return
         try:
             child.proc = subprocess.Popen(
                 [sys.executable, "-m", "duebox.cli.child", str(os.getpid()), str(write),

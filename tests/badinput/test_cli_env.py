@@ -115,7 +115,7 @@ CLI_CASES: list[tuple[list[str], dict[str, str], str]] = [
     (["worker", *APP, "--processes", "0"], {}, "--processes"),
     (["worker", *APP, "--processes", "-1"], {}, "--processes"),
     (["worker", *APP, "--processes", "abc"], {}, "--processes"),
-    (["worker", *APP, "--processes", "1025"], {}, "--processes"),
+    (["worker", *APP, "--processes", "257"], {}, "--processes"),
     (["worker", *APP, "--processes", "9" * 400], {}, "--processes"),
     (["worker", *APP, "--processes", "1_0"], {}, "--processes"),
     (["worker", *APP, "--processes", "\u0664"], {}, "--processes"),  # ARABIC-INDIC FOUR
