@@ -256,13 +256,18 @@ def callers(fleet: Supervised) -> set[int]:
     return {int(line.split()[1]) for line in fleet.calls.read_text().splitlines()}
 
 
-def outcomes(app: duebox.Duebox) -> dict[str, list[str | None]]:
+def attempt_rows(app: duebox.Duebox) -> list[tuple[str, str | None, str]]:
+    """(job id, outcome, worker) of every attempt, in order."""
     with app.engine.connect() as conn:
-        rows = conn.execute(sa.select(attempt.c.job_id, attempt.c.outcome)
+        rows = conn.execute(sa.select(attempt.c.job_id, attempt.c.outcome, attempt.c.worker)
                             .order_by(attempt.c.number)).all()
+    return [(str(j), o, w) for j, o, w in rows]
+
+
+def outcomes(app: duebox.Duebox) -> dict[str, list[str | None]]:
     out: dict[str, list[str | None]] = {}
-    for job_id, outcome in rows:
-        out.setdefault(str(job_id), []).append(outcome)
+    for job_id, outcome, _ in attempt_rows(app):
+        out.setdefault(job_id, []).append(outcome)
     return out
 
 
@@ -339,10 +344,16 @@ async def test_a_killed_child_is_restarted_and_its_jobs_run_again_in_seconds(
         assert fleet.stop() == 0, fleet.log()
         assert f"(pid {first}) was killed by SIGKILL" in fleet.log()
         assert {str(i) for i in ids} == set(effect_rows(app.engine))  # once in effect
+        # Lost: exactly the killed process's attempts (those running when it
+        # died, and any whose start it had sent the database just then).
+        lost = {job_id: worker for job_id, outcome, worker in attempt_rows(app)
+                if outcome == "lost"}
+        assert doomed <= set(lost), (doomed, lost)
+        assert all(of(first, [w]) for w in lost.values()), lost
         attempts = outcomes(app)
-        for job_id in doomed:  # started in the killed process, finished elsewhere
-            assert attempts[job_id] == ["lost", "succeeded"], attempts[job_id]
-        assert not [o for j, o in attempts.items() if j not in doomed and o != ["succeeded"]]
+        for job_id in ids:
+            expected = ["lost", "succeeded"] if str(job_id) in lost else ["succeeded"]
+            assert attempts[str(job_id)] == expected, (job_id, attempts[str(job_id)])
 
 
 async def run_the_rest(relay: Running, app: duebox.Duebox, fleets: list[Supervised],
