@@ -27,11 +27,17 @@ INTRO = ("Each section is written by `bench/run.py --backend NAME` (see `bench/R
          "and says when, where and how it was measured; a run rewrites only its own "
          "sections.")
 
-# Targets from the issues (#3: redis, amqp; #4: sqs, kafka).
+# Targets from the issues.  Relay throughput (#20): at least CEILING_SHARE
+# of the PostgreSQL ceiling measured in the same trial, for every backend,
+# and Kafka >= 20,000 msg/s; these replace #3's and #4's (redis >= 0.5 x raw
+# ZADD, which no outbox relay can meet: half of raw ZADD is several times
+# the database's own claim + mark rate; amqp >= 5,000/s; sqs >= 0.7 x raw).
+# Lateness: #3 and #4.
+CEILING_SHARE = 0.85
 TARGETS: dict[str, dict[str, Any]] = {
-    "redis": {"ratio": 0.5, "p99_ms": 20.0},
-    "amqp": {"rate": 5000.0, "p99_ms": 50.0},
-    "sqs": {"ratio": 0.7, "p99_ms": 1100.0},
+    "redis": {"p99_ms": 20.0},
+    "amqp": {"p99_ms": 50.0},
+    "sqs": {"p99_ms": 1100.0},
     "kafka": {"rate": 20000.0, "p99_ms": 20.0},
 }
 WHAT_IS_DUE = {
@@ -178,6 +184,34 @@ def machine_table(rows: list[tuple[str, str]]) -> list[str]:
 # --- a broker backend's section -------------------------------------------------------
 
 
+def ceiling_rows(floored: list[dict[str, Any]]) -> list[str]:
+    """The PostgreSQL ceiling and the relay's share of it, the #20 target.
+
+    The ceiling is the relay's claim + mark SQL on bare psycopg, no broker,
+    on as many rows as the relay trial's (a claim's scan passes the dead
+    index entries of every row claimed before it, so a bigger table costs
+    more per row).  Where the broker alone publishes slower than the target
+    share of it (raw < 0.85 x ceiling: RabbitMQ and LocalStack's SQS on this
+    kind of machine), no relay can meet the target; the lower of the two
+    ceilings is shown beside it, as information."""
+    if not floored:
+        return []
+    shares = [x["relay"]["rate"] / x["pg_floor"]["rate"] for x in floored]
+    ok = statistics.median(shares) >= CEILING_SHARE
+    lower = [x["relay"]["rate"] / min(x["pg_floor"]["rate"], x["raw"]["rate"])
+             for x in floored]
+    bound = sum(x["raw"]["rate"] < CEILING_SHARE * x["pg_floor"]["rate"] for x in floored)
+    note = (f" (in {bound} of {len(floored)} trials the raw broker publishes slower than "
+            f"{CEILING_SHARE:.2f} × the ceiling: out of any relay's reach)" if bound else "")
+    return [f"| PostgreSQL ceiling: the relay's claim + mark SQL on bare psycopg, no broker "
+            f"({floored[0]['pg_floor']['n']:,} rows) | "
+            f"{med_range([x['pg_floor']['rate'] for x in floored])} rows/s | — | — |",
+            f"| relay ÷ PostgreSQL ceiling | {med_range(shares, '{:.2f}')} | "
+            f">= {CEILING_SHARE:.2f}{note} | {verdict(ok)} |",
+            f"| relay ÷ the lower of the ceiling and raw (information) | "
+            f"{med_range(lower, '{:.2f}')} | — | — |"]
+
+
 def backend_section(backend: str, relay: Measurement, late: Measurement,
                     extra: dict[str, Any], header: list[str]) -> str:
     t = TARGETS[backend]
@@ -194,11 +228,9 @@ def backend_section(backend: str, relay: Measurement, late: Measurement,
             "no database.", "",
             "| measurement | result | target | verdict |", "| --- | --- | --- | --- |"]
     if relay.trials:
-        ok_rate = ok_ratio = None
+        ok_rate = None
         if "rate" in t:
             ok_rate = statistics.median(rates) >= t["rate"]
-        if "ratio" in t:
-            ok_ratio = statistics.median(ratios) >= t["ratio"]
         target = f">= {t['rate']:,.0f} msg/s" if "rate" in t else "—"
         out.append(f"| relay | {med_range(rates)} jobs/s | {target} | {verdict(ok_rate)} |")
         out.append(f"| {RAW_LABEL[backend]} | {med_range(raws)} msg/s | — | — |")
@@ -209,19 +241,8 @@ def backend_section(backend: str, relay: Measurement, late: Measurement,
             values = [x["raw"][key]["rate"] for x in relay.trials if key in x["raw"]]
             if values:
                 out.append(f"| {label} | {med_range(values)} msg/s | — | — |")
-        out.append(f"| relay ÷ raw | {med_range(ratios, '{:.2f}')} | "
-                   + (f">= {t['ratio']:.2f}" if "ratio" in t else "—")
-                   + f" | {verdict(ok_ratio)} |")
-        floored = [x for x in relay.trials if "pg_floor" in x]
-        if floored:
-            out.append(f"| PostgreSQL ceiling: the relay's claim + mark SQL on bare psycopg, "
-                       f"no broker ({floored[0]['pg_floor']['n']:,} rows) | "
-                       f"{med_range([x['pg_floor']['rate'] for x in floored])} rows/s | — | — |")
-            # Steadier than relay ÷ raw on a loaded machine: both sides wait on
-            # the same PostgreSQL.
-            out.append("| relay ÷ PostgreSQL ceiling | " + med_range(
-                [x["relay"]["rate"] / x["pg_floor"]["rate"] for x in floored], "{:.2f}")
-                + " | — | — |")
+        out.append(f"| relay ÷ raw (information) | {med_range(ratios, '{:.2f}')} | — | — |")
+        out += ceiling_rows([x for x in relay.trials if "pg_floor" in x])
         cpu = [x["relay"]["cpu_ms_per_job"] for x in relay.trials]
         out.append(f"| relay process CPU per job | {med_range(cpu, '{:.3f}')} ms | — | — |")
     else:

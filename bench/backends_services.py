@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import socket
 import sys
 import tempfile
 import uuid
@@ -80,13 +79,6 @@ def amqp_queues(url: str) -> list[tuple[str, int, int]]:
     return rows
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def _environ(**values: str) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in values}
@@ -111,10 +103,16 @@ def sqs_endpoint() -> Iterator[str]:
         yield given
         return
     tb = test_backends()
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
+    if not tb.OWN_SQS:  # DUEBOX_TEST_SQS_ENDPOINT names a running one: start and stop nothing
+        yield tb.SQS
+        return
+    # tests/backends.py picked a free port of this process's own when it was
+    # imported, and its localstack() starts LocalStack there whatever
+    # LOCALSTACK_PORT says (a port chosen here instead was never listened on:
+    # "LocalStack did not start" since per-session ports came in).
+    endpoint = tb.SQS
     with tempfile.TemporaryDirectory(prefix="duebox-bench-localstack-") as run, _environ(
-            LOCALSTACK_PORT=str(port), LOCALSTACK_RUN=run,
+            LOCALSTACK_RUN=run,
             LOCALSTACK_VENV=os.environ.get("LOCALSTACK_VENV", str(LOCALSTACK_VENV))):
         LOCALSTACK_VENV.parent.mkdir(parents=True, exist_ok=True)
         try:

@@ -272,7 +272,7 @@ class AMQPBroker(PublishingBroker):
             else:
                 error = fut.result()
             if error is None:
-                results[i] = PublishResult(msg.job_id, True, str(msg.job_id))
+                results[i] = PublishResult(msg.job_id, True, msg.id_text)
             else:
                 if "unroutable" in error:
                     self._declared.discard(msg.queue)  # declare it again next time

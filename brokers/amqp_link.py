@@ -81,7 +81,7 @@ def properties(msg: JobMessage, route: Route) -> Any:
     return pika.BasicProperties(
         content_type="application/json",
         delivery_mode=2,  # persistent
-        message_id=str(msg.job_id),
+        message_id=msg.id_text,
         timestamp=int(time.time()),
         type=msg.task,
         headers={**msg.header_map(), **route.headers},

@@ -232,7 +232,10 @@ class PublishingBroker(Broker):
 
         A result is ``ok`` only when the broker confirmed it durably; the
         relay marks ``ENQUEUED`` only those.  A message must not become
-        visible to consumers before ``delay`` has passed.
+        visible to consumers before ``delay`` has passed.  Send what
+        ``message.encode()`` gives: a relay's message may carry its payload
+        as the stored JSON text (``duebox.message.RawJSON``), which only the
+        body knows how to embed.
         """
 
 

@@ -218,7 +218,7 @@ class RedisBroker(PublishingBroker):
                     # later one is parked, rounded up to the millisecond.
                     score = (math.floor(now_ms) if out.delay <= 0
                              else math.ceil(now_ms + out.delay * 1000.0))
-                    args += [str(out.message.job_id), out.message.version, score,
+                    args += [out.message.id_text, out.message.version, score,
                              out.message.encode()]
                 try:
                     # The queue names, for cancel(); renewed every call, so a

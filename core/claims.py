@@ -30,7 +30,15 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, and_, case, select, update
 from sqlalchemy.sql import Select, Update
 
-from .records import ROW_COLUMNS, JobRecord, by_primary_key, open_attempts, records
+from .records import (
+    ROW_COLUMNS,
+    JobRecord,
+    by_primary_key,
+    dispatch_columns,
+    dispatch_records,
+    open_attempts,
+    records,
+)
 from .states import JobState
 from .tables import job
 
@@ -90,25 +98,28 @@ def _lease_update(owner: str, values: dict[str, Any],
 def lease(
     conn: Connection, candidates: Select[Any], owner: str, values: dict[str, Any],
     fence: ColumnElement[bool] | None = None, params: dict[str, Any] | None = None,
+    dispatch: bool = False,
 ) -> list[JobRecord]:
     """Lease the candidate rows to ``owner`` in one statement where the
     dialect allows ``UPDATE ... RETURNING``; MySQL/MariaDB take three.
     ``fence``: an extra condition every leased row must meet (a relay's shard
     ownership, docs/scale.md).  ``params``: values of bound parameters in
-    ``candidates`` and ``values``."""
+    ``candidates`` and ``values``.  ``dispatch``: a relay's claim, whose
+    records carry the payload to hand on (records.dispatch_columns)."""
     base = _lease_update(owner, values, fence)
     if conn.dialect.update_returning:
-        rows = conn.execute(base.where(job.c.id.in_(candidates)).returning(*ROW_COLUMNS),
-                            params).all()
+        dialect = conn.dialect.name if dispatch else ""
+        leased = dispatch_records(conn.execute(
+            base.where(job.c.id.in_(candidates)).returning(*dispatch_columns(dialect)),
+            params).all(), dialect)
     else:
         ids = list(conn.execute(candidates, params).scalars())
         if not ids:
             return []
         conn.execute(by_primary_key(base.where(job.c.id.in_(ids))), params)
-        rows = conn.execute(
+        leased = records(conn.execute(
             select(*ROW_COLUMNS).where(job.c.id.in_(ids), job.c.lease_owner == owner)
-        ).all()
-    leased = records(rows)
+        ).all())
     leased.sort(key=lambda r: (r.due_at, r.id))
     return leased
 
@@ -146,7 +157,7 @@ def claim_for_dispatch(
     (the relay's catch-up claim of overdue jobs).  ``fence`` limits the claim
     to rows it holds for (a sharded relay's owned shards, still owned)."""
     candidates = _dispatch_candidates(horizon, limit, after, priority_first, fence)
-    return lease(conn, candidates, owner, _dispatching(now, lease_until), fence)
+    return lease(conn, candidates, owner, _dispatching(now, lease_until), fence, dispatch=True)
 
 
 def dispatch_claim(
@@ -172,7 +183,7 @@ def claim_selected(
         return []
     candidates = select(job.c.id).where(job.c.id.in_(list(ids)),
                                         job.c.state == JobState.SCHEDULED)
-    return lease(conn, candidates, owner, _dispatching(now, lease_until), fence)
+    return lease(conn, candidates, owner, _dispatching(now, lease_until), fence, dispatch=True)
 
 
 # --- a sql:// worker's claim ----------------------------------------------------

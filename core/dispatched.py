@@ -11,6 +11,7 @@ core/claims.py's; :func:`mark_and_claim` joins the two in one round trip.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Integer,
     and_,
     any_,
     bindparam,
@@ -30,12 +32,12 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.sql import Update
+from sqlalchemy.sql import Select, Update
 
 from . import claims, own_queues
 from .failures import SystemFailure
 from .ids import uuid7
-from .records import ROW_COLUMNS, JobRecord, by_primary_key, records
+from .records import DISPATCH_COLUMNS, JobRecord, by_primary_key, dispatch_records
 from .states import JobState
 from .tables import attempt, job
 
@@ -198,27 +200,63 @@ def mark_and_claim(
     mark_owner, mark_ids = marks[first]
     # One array parameter, not an IN list of 500: the statement text stays
     # the same, so neither SQLAlchemy nor psycopg re-renders or re-parses it.
-    ids = bindparam("mark_ids", list(mark_ids), type_=postgresql.ARRAY(job.c.id.type))
-    marked = (_mark_stmt(mark_owner, now, job.c.id == any_(ids), fence, published_to,
-                         in_id_order=True, delivered=delivered)
+    params: dict[str, Any] = {
+        "m_owner": mark_owner, "mark_ids": list(mark_ids), "m_route": published_to,
+        "c_owner": owner, "c_horizon": horizon, "c_limit": limit, "c_now": now,
+        "c_until": lease_until}
+    if after is not None:
+        params["c_after"] = after
+    if fence is None and not delivered:
+        stmt = _fused(after is not None, priority_first)
+    else:  # a shard's fence, or own-consumer queues: built for this batch
+        stmt = _fused_statement(after is not None, priority_first, fence, delivered, params)
+        params = {}
+    rows = conn.execute(stmt, params).all()
+    counts[first] = int(rows[0][0]) if rows else 0
+    claimed_records = dispatch_records([row[1:] for row in rows if row[1] is not None],
+                                       "postgresql")
+    # As UUIDs compare, without their __lt__.
+    claimed_records.sort(key=lambda r: (r.due_at, r.id.int))
+    return counts, claimed_records
+
+
+def _fused_statement(after: bool, priority_first: bool, fence: ColumnElement[bool] | None,
+                     delivered: Collection[str], values: dict[str, Any] | None) -> Select[Any]:
+    """The mark (of ``mark_ids``, by ``m_owner``) and the claim (for
+    ``c_owner``) as one statement of data-modifying CTEs: with ``values``, a
+    statement for one batch that carries them; without, one with parameters
+    of those names to execute it with (:func:`_fused`)."""
+    def p(name: str, type_: Any) -> Any:
+        return bindparam(name, type_=type_) if values is None else values[name]
+
+    now = p("c_now", job.c.updated_at.type)
+    ids = bindparam("mark_ids", None if values is None else values["mark_ids"],
+                    type_=postgresql.ARRAY(job.c.id.type))
+    marked = (_mark_stmt(p("m_owner", job.c.lease_owner.type), now, job.c.id == any_(ids), fence,
+                         p("m_route", job.c.published_to.type), in_id_order=True,
+                         delivered=delivered)
               .returning(job.c.id).cte("marked"))
     claim = claims.dispatch_claim(
-        owner=owner, horizon=horizon, limit=limit, now=now, lease_until=lease_until,
-        after=after, priority_first=priority_first, fence=fence)
-    claimed = claim.returning(*ROW_COLUMNS).cte("claimed")
+        owner=p("c_owner", job.c.lease_owner.type), horizon=p("c_horizon", job.c.due_at.type),
+        limit=p("c_limit", Integer()), now=now, lease_until=p("c_until", job.c.lease_until.type),
+        after=p("c_after", job.c.due_at.type) if after else None,
+        priority_first=priority_first, fence=fence)
+    claimed = claim.returning(*DISPATCH_COLUMNS).cte("claimed")
     # Outer-joined to one row, so the mark's count comes back when nothing
     # was claimed; PostgreSQL runs every data-modifying CTE to completion
     # whether or not the outer query reads it.
     one = select(literal(1).label("one")).subquery("one")
     n_marked = select(func.count()).select_from(marked).scalar_subquery()
-    stmt = (select(n_marked.label("n_marked"), *(claimed.c[c.name] for c in ROW_COLUMNS))
+    return (select(n_marked.label("n_marked"), *(claimed.c[c.name] for c in DISPATCH_COLUMNS))
             .select_from(one.outerjoin(claimed, true())))
-    rows = conn.execute(stmt).all()
-    counts[first] = int(rows[0][0]) if rows else 0
-    claimed_records = records([row[1:] for row in rows if row[1] is not None])
-    # As UUIDs compare, without their __lt__.
-    claimed_records.sort(key=lambda r: (r.due_at, r.id.int))
-    return counts, claimed_records
+
+
+@functools.cache
+def _fused(after: bool, priority_first: bool) -> Select[Any]:
+    """The usual fused statement (no shard fence, no own-consumer queues),
+    built once per shape: building it and computing its cache key for every
+    batch cost more Python than a claimed job's record."""
+    return _fused_statement(after, priority_first, None, (), None)
 
 
 __all__ = ["Refusal", "expire", "mark_and_claim", "mark_enqueued", "refuse", "release"]

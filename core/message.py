@@ -26,6 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 from .errors import MessageDecodeError
@@ -42,6 +43,21 @@ HEADER_TASK = "duebox-task"
 
 # json.dumps(separators=...) builds an encoder per call: a relay hot spot.
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
+# A str as the encoder above writes it (ensure_ascii): quoted and escaped.
+_json_string = encode_basestring_ascii
+# The C encoder under _ENCODER, made once: JSONEncoder.encode builds it anew
+# for every call, half the cost of encoding a small payload.  No circular
+# check (markers=None): a shared markers dict would make two threads that
+# encode the same object see a cycle; a payload read back from JSON has none.
+_C_ENCODE = None if c_make_encoder is None else c_make_encoder(
+    None, _ENCODER.default, encode_basestring_ascii, None, ":", ",", False, False, True)
+
+
+def _json(value: Any) -> str:
+    """``value`` as _ENCODER writes it."""
+    if _C_ENCODE is None:  # no C accelerator (PyPy)
+        return _ENCODER.encode(value)
+    return "".join(_C_ENCODE(value, 0))
 
 MAX_JSON_DEPTH = 200
 PAYLOAD_MAX_DEPTH = MAX_JSON_DEPTH - 1  # the envelope object is the first level
@@ -118,6 +134,35 @@ def lenient_json(text: str | bytes | float) -> Any:
     return UndecodableJSON(text if isinstance(text, str) else text.decode("utf-8", "replace"))
 
 
+class RawJSON(str):
+    """JSON text as PostgreSQL's ``jsonb`` gave it, handed on unparsed: the
+    relay's claim reads payloads so (:func:`passed_on`) and the message body
+    embeds the text as it is.  Parsing each payload only to encode it again
+    was the largest part of a claim's Python (issue #20)."""
+
+
+# A run of digits this long may be an integer json.loads refuses to read
+# (sys.set_int_max_str_digits: 640 is the lowest limit a process can set).
+_LONG_NUMBER = re.compile(r"\d{640}")
+
+
+def passed_on(text: str | None) -> Any:
+    """A stored ``jsonb`` payload's text as the relay hands it on: as
+    :class:`RawJSON` when any worker will decode it (``jsonb`` is always
+    well-formed JSON: no NUL, no lone surrogate, no NaN), else parsed as
+    the claim always did (:func:`lenient_json`: too deep for the worker, or a
+    number too long for json.loads, becomes :class:`UndecodableJSON`)."""
+    if text is None or text == "null":
+        return None
+    # Both checks are skipped for the usual short payload: fewer brackets
+    # than the depth limit, fewer characters than a long number.
+    deep = text.count("[") + text.count("{") > STORED_MAX_DEPTH and too_deep(
+        text, STORED_MAX_DEPTH)
+    if deep or (len(text) >= 640 and _LONG_NUMBER.search(text)):
+        return lenient_json(text)
+    return RawJSON(text)
+
+
 def check_stored_payload(payload: object) -> None:
     if isinstance(payload, UndecodableJSON):
         raise MessageDecodeError(
@@ -145,18 +190,56 @@ class JobMessage:
     due_at: datetime
     payload: Any = None
     headers: dict[str, Any] = field(default_factory=dict)
+    # The id and the due time as text, made on first use: a publish writes
+    # them into the body, the headers and the record key of one message,
+    # which made ``str(UUID)`` and ``isoformat()`` two or three times each.
+    _texts: tuple[str, str] | None = field(default=None, init=False, repr=False,
+                                           compare=False)
+
+    def _id_and_due(self) -> tuple[str, str]:
+        texts = self._texts
+        if texts is None:
+            texts = (str(self.job_id), self.due_at.isoformat())
+            object.__setattr__(self, "_texts", texts)
+        return texts
+
+    @property
+    def id_text(self) -> str:
+        """``str(job_id)``, made once per message."""
+        return self._id_and_due()[0]
 
     def encode(self) -> bytes:
+        """The JSON body: the envelope's fields in a fixed order, compact.
+
+        Written out field by field rather than as a dict through
+        ``JSONEncoder.encode``, which sets up a new C encoder for every call
+        (most of the cost of a small message); the result is byte for byte
+        what :meth:`_encode_dict` gives, as tests/test_message_encode.py
+        checks.  Anything but the exact types duebox writes takes that path."""
+        if not (type(self.task) is str and type(self.queue) is str
+                and type(self.version) is int and type(self.attempt) is int):
+            return self._encode_dict()
+        job_id, due = self._id_and_due()
+        payload = self.payload if type(self.payload) is RawJSON else _json(self.payload)
+        headers = _json(self.headers) if self.headers else "{}"
+        return (f'{{"format":"{FORMAT}","id":"{job_id}","task":{_json_string(self.task)},'
+                f'"queue":{_json_string(self.queue)},"version":{self.version},'
+                f'"attempt":{self.attempt},"due_at":"{due}",'
+                f'"payload":{payload},"headers":{headers}}}').encode()
+
+    def _encode_dict(self) -> bytes:
+        job_id, due = self._id_and_due()
         return _ENCODER.encode(
             {
                 "format": FORMAT,
-                "id": str(self.job_id),
+                "id": job_id,
                 "task": self.task,
                 "queue": self.queue,
                 "version": self.version,
                 "attempt": self.attempt,
-                "due_at": self.due_at.isoformat(),
-                "payload": self.payload,
+                "due_at": due,
+                "payload": (json.loads(self.payload) if isinstance(self.payload, RawJSON)
+                            else self.payload),
                 "headers": self.headers,
             },
         ).encode()
@@ -167,19 +250,23 @@ class JobMessage:
         SQS FIFO message group, the order a worker hands them to handlers)."""
         key = self.headers.get(ORDERING_KEY_HEADER) if self.headers else None
         if key is None or key == "":
-            return str(self.job_id)
+            return self.id_text
         return key if isinstance(key, str) else str(key)
 
     def header_map(self) -> dict[str, str]:
-        return {
-            HEADER_ID: str(self.job_id),
+        job_id, due = self._id_and_due()
+        headers = {
+            HEADER_ID: job_id,
             HEADER_VERSION: str(self.version),
             HEADER_ATTEMPT: str(self.attempt),
-            HEADER_DUE_AT: self.due_at.isoformat(),
+            HEADER_DUE_AT: due,
             HEADER_TASK: self.task,
-            # The W3C trace context (duebox.tracing), where the job has one.
-            **{k: str(self.headers[k]) for k in TRACE_HEADERS if k in self.headers},
         }
+        if self.headers:  # the W3C trace context (duebox.tracing), where the job has one
+            for k in TRACE_HEADERS:
+                if k in self.headers:
+                    headers[k] = str(self.headers[k])
+        return headers
 
     @classmethod
     def decode(cls, body: bytes | str, max_bytes: int | None = None) -> JobMessage:

@@ -23,6 +23,7 @@ collector of the relay's own, which a worker does not fill: not in the sums.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -199,6 +200,34 @@ def serve(metrics: Metrics | CollectorRegistry, port: int, host: str = "127.0.0.
 def seconds(later: datetime, earlier: datetime) -> float:
     """``later - earlier`` in seconds, never negative."""
     return max(0.0, (later - earlier).total_seconds())
+
+
+def observe_many(child: Any, amounts: Sequence[float]) -> None:
+    """``child.observe(a)`` for each of ``amounts`` (a histogram child), with
+    one increment per bucket hit and one of the sum: a relay observes two
+    lags per job, and ``observe()`` takes two locks and walks the bucket
+    bounds for each.  A histogram whose insides are not prometheus_client's
+    usual ones is observed one amount at a time."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if not amounts:
+        return
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for amount in amounts:
+            child.observe(amount)
+        return
+    hits: dict[int, int] = {}
+    for amount in amounts:
+        if amount != amount:  # NaN: in no bucket, as observe() does
+            continue
+        # observe() counts an amount in the first bucket whose bound is >= it.
+        i = bisect.bisect_left(bounds, amount)
+        hits[i] = hits.get(i, 0) + 1
+    total.inc(sum(amounts))
+    for i, n in hits.items():
+        if i < len(buckets):  # +Inf is the last bound: nothing lies beyond it
+            buckets[i].inc(n)
 
 
 # --- state from the database ----------------------------------------------------
@@ -424,6 +453,7 @@ __all__ = [
     "Metrics",
     "Snapshot",
     "SnapshotCollector",
+    "observe_many",
     "process_metrics",
     "read_snapshot",
     "seconds",

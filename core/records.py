@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Text, cast
 from sqlalchemy.sql import Update
 
 from .ids import uuid7
-from .message import JobMessage
+from .message import JobMessage, lenient_json, passed_on
 from .tables import attempt, job
 
 ROW_COLUMNS = (
@@ -85,6 +85,29 @@ def records(rows: Sequence[Any]) -> list[JobRecord]:
     return [JobRecord(*row) for row in rows]
 
 
+# The relay's claims on PostgreSQL read the payload and the headers as the
+# text jsonb gives: the payload goes into the message body unparsed
+# (message.passed_on), the headers are parsed only when there are any.
+DISPATCH_COLUMNS = (*ROW_COLUMNS[:3], cast(job.c.payload, Text).label("payload"),
+                    cast(job.c.headers, Text).label("headers"), *ROW_COLUMNS[5:])
+
+
+def dispatch_columns(dialect: str) -> tuple[Any, ...]:
+    """The columns a relay's claim returns on ``dialect``, for
+    :func:`dispatch_records`: elsewhere JSON columns hold whatever text was
+    written (SQLite, MySQL do not check it), so they are parsed as usual."""
+    return DISPATCH_COLUMNS if dialect == "postgresql" else ROW_COLUMNS
+
+
+def dispatch_records(rows: Sequence[Any], dialect: str) -> list[JobRecord]:
+    """The records of rows read with :func:`dispatch_columns`."""
+    if dialect != "postgresql":
+        return records(rows)
+    return [JobRecord(row[0], row[1], row[2], passed_on(row[3]),
+                      None if row[4] is None or row[4] == "null" else lenient_json(row[4]),
+                      *row[5:]) for row in rows]
+
+
 def by_primary_key(stmt: Update) -> Update:
     """An UPDATE of given job rows (``id IN (...)``), made to find them
     through the primary key on MySQL/MariaDB.
@@ -127,4 +150,5 @@ def _with_attempt(rec: JobRecord, attempt_id: uuid.UUID) -> JobRecord:
     return JobRecord(**values)
 
 
-__all__ = ["ROW_COLUMNS", "JobRecord", "by_primary_key", "open_attempts", "records"]
+__all__ = ["DISPATCH_COLUMNS", "ROW_COLUMNS", "JobRecord", "by_primary_key", "dispatch_columns",
+           "dispatch_records", "open_attempts", "records"]

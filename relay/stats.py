@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from duebox.heartbeat import prune
-from duebox.metrics import DBCollector, Metrics, seconds
+from duebox.metrics import DBCollector, Metrics, observe_many, seconds
 from duebox.records import JobRecord
 
 if TYPE_CHECKING:
@@ -68,20 +68,21 @@ class RelayMetrics:
     def claimed(self, records: Iterable[JobRecord], now: datetime) -> None:
         """A fresh claim: per queue, how many and how late (claim - due, 0
         when claimed ahead)."""
-        counts: dict[str, int] = {}
+        lags: dict[str, list[float]] = {}
         for rec in records:
-            counts[rec.queue] = counts.get(rec.queue, 0) + 1
-            self._queue(rec.queue)[1].observe(seconds(now, rec.due_at))
-        for queue, n in counts.items():
-            self._queue(queue)[0].inc(n)
+            lags.setdefault(rec.queue, []).append(seconds(now, rec.due_at))
+        for queue, late in lags.items():
+            claimed, lag, _ = self._queue(queue)
+            claimed.inc(len(late))
+            observe_many(lag, late)
 
     def published(self, records: Iterable[JobRecord], ok: set[object], now: datetime,
                   claimed_at: datetime | None, lead: float) -> None:
         """Dispatch lag: publish minus the moment the job could be published
         (its claim, or its release time when it was held ``lead`` before due)."""
-        lag = self._dispatch_lag
         ahead = timedelta(seconds=lead)
         counts: dict[str, int] = {}
+        lags = []
         for rec in records:
             if rec.id in ok:
                 # Released by the timer: its release time; published ahead
@@ -90,7 +91,8 @@ class RelayMetrics:
                 if now < ready or (claimed_at is not None and claimed_at > ready):
                     ready = claimed_at or now
                 counts[rec.queue] = counts.get(rec.queue, 0) + 1
-                lag.observe(seconds(now, ready))
+                lags.append(seconds(now, ready))
+        observe_many(self._dispatch_lag, lags)
         for queue, n in counts.items():
             self._queue(queue)[2].inc(n)
 

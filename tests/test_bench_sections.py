@@ -71,3 +71,23 @@ def test_a_file_from_before_sections_becomes_the_sql_section(tmp_path: Path) -> 
     assert "Burst and fairness" not in sql
     assert after.count(r.TITLE) == 1
     assert after.index("kept") < after.index("<!-- section: kafka -->")
+
+
+def _trial(relay: float, floor: float, raw: float) -> dict[str, object]:
+    return {"n": 50_000, "relay": {"rate": relay}, "raw": {"rate": raw},
+            "pg_floor": {"n": 50_000, "rate": floor}}
+
+
+def test_the_relay_target_is_its_share_of_the_postgresql_ceiling() -> None:
+    """Issue #20: relay >= 0.85 x the ceiling measured in the same trial, by
+    the median of the trials; a broker slower than that is named as the bound."""
+    rows = report().ceiling_rows
+    met = rows([_trial(17_500, 20_000, 90_000), _trial(16_000, 20_000, 90_000),
+                _trial(18_000, 20_000, 90_000)])
+    assert "| relay ÷ PostgreSQL ceiling | 0.88 (0.80–0.90) | >= 0.85 | met |" in met
+    missed = rows([_trial(16_000, 20_000, 90_000)])
+    assert "| relay ÷ PostgreSQL ceiling | 0.80 | >= 0.85 | **missed** |" in missed
+    bound = "\n".join(rows([_trial(6_000, 20_000, 7_000)]))
+    assert "out of any relay's reach" in bound
+    assert "| relay ÷ the lower of the ceiling and raw (information) | 0.86 |" in bound
+    assert rows([]) == []
