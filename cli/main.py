@@ -24,6 +24,7 @@ from .dashboard_cmd import dashboard
 from .dlq_cmd import dlq_group
 from .loading import load_app
 from .options import TEXT, F, app_options, errors_as_messages, operator_options
+from .processes import cpu_count, processes_option, run_processes
 from .routes_cmd import routes
 from .schedules_cmd import schedules
 
@@ -54,15 +55,6 @@ def metrics_options(fn: F) -> F:
                              "[env DUEBOX_METRICS_PORT]")(fn)
 
 
-def _serve_metrics(port: int | None, host: str) -> None:
-    if port is None:
-        return
-    from duebox.metrics import process_metrics, serve
-
-    server = serve(process_metrics(), port, host)
-    click.echo(f"metrics on http://{host}:{server.server_port}/metrics", err=True)
-
-
 @cli.command()
 @app_options
 @metrics_options
@@ -76,12 +68,12 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
     """Claim due jobs and hand them to the broker."""
     from duebox.relay import Relay
 
-    from .running import run_until_signalled
+    from .running import run_until_signalled, serve_metrics
 
     app = load_app(app_spec, database_url, broker_url)
     app.configure(batch_size=batch_size, poll_interval=poll_interval)
     r = Relay(app)  # it logs one line when it starts and one when it stops
-    _serve_metrics(metrics_port, metrics_host)
+    serve_metrics(metrics_port, metrics_host)
     run_until_signalled(r.run)
 
 
@@ -98,21 +90,34 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
 @click.option("--queue", "queues", envvar="DUEBOX_QUEUES", multiple=True,
               help="Queue to consume (repeatable; default: every registered task's queue). "
                    "[env DUEBOX_QUEUES, space-separated]")
+@processes_option
 def worker(app_spec: str | None, database_url: str | None, broker_url: str | None,
            metrics_port: int | None, metrics_host: str,
            concurrency: int | None, group_commit: int | None,
-           queues: tuple[str, ...]) -> None:
-    """Run handlers for delivered jobs."""
+           queues: tuple[str, ...], processes: int | None) -> None:
+    """Run handlers for delivered jobs: one worker process per CPU by default
+    (docs/worker.md, "How many worker processes")."""
     from duebox.consumers import Worker
 
-    from .running import run_until_signalled
+    from .running import run_until_signalled, serve_metrics
 
     app = load_app(app_spec, database_url, broker_url)
     if not app.tasks:
         raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
     w = Worker(app, queues=list(queues) or None, concurrency=concurrency,
                group_commit=group_commit)  # one line when it starts, one when it stops
-    _serve_metrics(metrics_port, metrics_host)
+    count = processes or cpu_count()
+    if count > 1:
+        # The app, its tables and the options were checked above, once;
+        # each child builds its own worker from them.
+        app.dispose()
+        options = {**click.get_current_context().find_root().params, "app_spec": app_spec,
+                   "database_url": database_url, "broker_url": broker_url,
+                   "concurrency": concurrency, "group_commit": group_commit,
+                   "queues": queues}
+        run_processes(count, options, metrics_port, metrics_host)
+        return
+    serve_metrics(metrics_port, metrics_host)
     run_until_signalled(w.run)
 
 

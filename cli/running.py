@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import click
+from prometheus_client import CollectorRegistry
 
 
 def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
@@ -23,3 +25,16 @@ def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> Non
         asyncio.run(runner())
     except KeyboardInterrupt:
         click.echo("stopped", err=True)
+
+
+def serve_metrics(port: int | None, host: str,
+                  registry: CollectorRegistry | None = None) -> Any:
+    """Serve ``/metrics`` on ``port`` (nothing when None): ``registry``, or
+    this process's own metrics; the server, or None."""
+    if port is None:
+        return None
+    from duebox.metrics import process_metrics, serve
+
+    server = serve(registry or process_metrics(), port, host)
+    click.echo(f"metrics on http://{host}:{server.server_port}/metrics", err=True)
+    return server

@@ -12,6 +12,13 @@ Every :class:`Metrics` has its own :class:`~prometheus_client.CollectorRegistry`
 so several relays and workers in one process (the tests) never collide; a
 process serves one with :func:`serve`.  :func:`process_metrics` is the one the
 ``duebox relay`` / ``duebox worker`` commands use.
+
+Under ``duebox worker --processes N`` each worker process keeps its numbers in
+prometheus-client's multiprocess files and the supervisor serves their sums
+(cli/metrics_dir.py).  Counters and histograms add up; each gauge says how
+its values combine (``multiprocess_mode``), ``live*`` so that a process that
+exited leaves the gauge.  The database snapshot's gauges come from a
+collector of the relay's own, which a worker does not fill: not in the sums.
 """
 
 from __future__ import annotations
@@ -96,11 +103,11 @@ class Metrics:
         # --- relay at scale (docs/scale.md) ----------------------------------------
         self.shards_owned = Gauge("duebox_relay_shards_owned",
                                   "Shards this relay holds a lease on (sharding on).",
-                                  ["relay"], registry=r)
+                                  ["relay"], registry=r, multiprocess_mode="livesum")
         self.shard_generation = Gauge(
             "duebox_relay_shard_generation",
             "The lease generation of each shard this relay holds (absent: not held).",
-            ["relay", "shard"], registry=r)
+            ["relay", "shard"], registry=r, multiprocess_mode="livemax")
         self.shards_lost = counter(
             "duebox_relay_shards_lost_total",
             "Shard leases this relay found taken over (it paused or fell behind).", ("relay",))
@@ -110,15 +117,16 @@ class Metrics:
         self.rate_limited = Gauge(
             "duebox_relay_rate_limited_buckets",
             "Token buckets (global, queue, tenant) that ran dry in the relay's last claim.",
-            ["kind"], registry=r)
+            ["kind"], registry=r, multiprocess_mode="livemax")
         self.rate_wait = Gauge(
             "duebox_relay_rate_wait_seconds",
             "How long the relay waits for tokens before its next claim (0: not limited).",
-            registry=r)
+            registry=r, multiprocess_mode="livemax")
         self.backpressure = Gauge(
             "duebox_relay_backpressure_factor",
             "Share of the configured dispatch rate the relay currently allows itself "
-            "(1: no overload signalled; lower after broker throttling).", registry=r)
+            "(1: no overload signalled; lower after broker throttling).", registry=r,
+            multiprocess_mode="livemin")
         # --- worker --------------------------------------------------------------
         self.received = counter("duebox_worker_deliveries_total",
                                 "Deliveries a worker received.", b)
@@ -180,11 +188,12 @@ def process_metrics() -> Metrics:
         return _process_metrics
 
 
-def serve(metrics: Metrics, port: int, host: str = "127.0.0.1") -> Any:
-    """Serve ``/metrics`` over HTTP on a daemon thread; returns the server
-    (``server.server_port`` is the port when ``port`` was 0;
-    ``server.shutdown()`` stops it)."""
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+def serve(metrics: Metrics | CollectorRegistry, port: int, host: str = "127.0.0.1") -> Any:
+    """Serve ``/metrics`` (of a :class:`Metrics`, or of any registry) over
+    HTTP on a daemon thread; returns the server (``server.server_port`` is
+    the port when ``port`` was 0; ``server.shutdown()`` stops it)."""
+    registry = metrics.registry if isinstance(metrics, Metrics) else metrics
+    server, _thread = start_http_server(port, addr=host, registry=registry)
     return server
 
 

@@ -78,8 +78,12 @@ def _worker(database_url: str, provider: Provider, log: IO[bytes]) -> subprocess
     env = {**os.environ, "DUEBOX_DATABASE_URL": database_url, "DUEBOX_LEASE_SECONDS": "1",
            "DUEBOX_CLOCK_SKEW_MARGIN": "0.1", "DUEBOX_POLL_INTERVAL": "0.05",
            "PAYMENT_URL": provider.url, "DUEBOX_LOG_LEVEL": "WARNING"}
+    # One process: the test kills *the* worker right after the charge (with
+    # a supervisor the kill would reach the children only through their
+    # parent-death signal, which tests/test_worker_processes.py tests).
     return subprocess.Popen(
-        [sys.executable, "-m", "duebox.cli", "worker", "--app", "tests.apps.payment_app:app"],
+        [sys.executable, "-m", "duebox.cli", "worker", "--app", "tests.apps.payment_app:app",
+         "--processes", "1"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
     )
 

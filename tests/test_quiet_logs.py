@@ -120,8 +120,10 @@ def test_a_worker_logs_one_line_at_start_and_one_at_stop(tmp_path: Path) -> None
     reset_tables(url)
     env = {**os.environ, "DUEBOX_DATABASE_URL": url, "DUEBOX_BROKER_URL": "sql://",
            "DUEBOX_LOG_FORMAT": "text", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    lines = _start_and_stop(["worker", "--app", "tests.apps.cli_app:app"], tmp_path, env,
-                            " started: ")
+    # One process: the worker's own lines (a supervisor adds its own, and
+    # each child its pair: tests/test_worker_processes.py counts those).
+    lines = _start_and_stop(["worker", "--app", "tests.apps.cli_app:app", "--processes", "1"],
+                            tmp_path, env, " started: ")
     assert len(lines) == 2, lines  # nothing else on a calm start and stop
     assert "INFO duebox.worker: worker " in lines[0]
     assert "queues default on sql://" in lines[0]
