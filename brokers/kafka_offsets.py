@@ -95,15 +95,22 @@ class OffsetTracker(ConsumerRebalanceListener):  # type: ignore[misc]
         the cluster replaced): nothing is committed then and the consumer
         starts over, or it would skip the new incarnation's first messages."""
         todo = self.to_commit(tps)
-        if not todo or self.consumer is None:
+        consumer = self.consumer
+        if not todo or consumer is None:
             return
         try:
-            ends = await self.consumer.end_offsets(list(todo))
+            ends = await consumer.end_offsets(list(todo))
+            if self.consumer is not consumer:
+                # Retired while we asked (a failed consume, KafkaBroker._retire):
+                # after a failure nothing is committed.  This ran as a
+                # rebalance's revoke callback beside it and used to raise
+                # AttributeError on the cleared consumer.
+                return
             if any(ends.get(tp, 0) < pos for tp, (_, pos) in todo.items()):
                 self.truncated = True
                 return
-            await self.consumer.commit({tp: OffsetAndMetadata(pos, "")
-                                        for tp, (_, pos) in todo.items()})
+            await consumer.commit({tp: OffsetAndMetadata(pos, "")
+                                   for tp, (_, pos) in todo.items()})
         except KafkaError as exc:
             log.info("offset commit failed (%s); the messages may be delivered again", exc)
             if "UnknownTopicOrPartition" in type(exc).__name__:

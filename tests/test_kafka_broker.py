@@ -126,6 +126,32 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
         duebox.Duebox("sqlite://", "kafka://h:1")
 
 
+async def test_a_consumer_retired_during_a_commit_commits_nothing_and_raises_nothing() -> None:
+    """A rebalance's revoke callback commits while the consume loop, failed,
+    retires the consumer (tracker.consumer = None) during the commit's
+    end_offsets call: seen in bench/peers with two worker processes, as
+    AttributeError from aiokafka's listener.  After a failure nothing may be
+    committed (the cluster may be a new one)."""
+    tracker = OffsetTracker(asyncio.Event())
+    committed: list[dict[Any, Any]] = []
+
+    class RetiredMeanwhile:
+        async def end_offsets(self, tps: list[Any]) -> dict[Any, int]:
+            tracker.consumer = None  # KafkaBroker._retire, in another task
+            return dict.fromkeys(tps, 100)
+
+        async def commit(self, offsets: dict[Any, Any]) -> None:
+            committed.append(offsets)
+
+    tracker.consumer = RetiredMeanwhile()
+    gen = tracker.received("p0", 10)
+    tracker.finished("p0", 10, gen)
+    await tracker.on_partitions_revoked(["p0"])
+    assert committed == []
+    assert tracker.parts == {}  # the revoke still let the partition go
+    assert tracker.freed.is_set()
+
+
 async def test_offsets_commit_only_up_to_the_oldest_unfinished() -> None:
     tracker = OffsetTracker(asyncio.Event())
     committed: list[dict[Any, int]] = []
