@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 import click
-from sqlalchemy import Column, Float, MetaData, String, Table, func, select
+from sqlalchemy import Column, Double, MetaData, String, Table, func, inspect, select
 from sqlalchemy.orm import Session
 
 from duebox import Duebox, JobContext, migrate
@@ -23,9 +23,23 @@ effect = Table(
     demo_metadata,
     Column("job_id", String(36), primary_key=True),
     Column("run_id", String(32), nullable=False, index=True),
-    Column("due", Float, nullable=False),
-    Column("started", Float, nullable=False),
+    # Epoch seconds: Double, since Float is MySQL's 4-byte FLOAT there,
+    # whose 24-bit mantissa rounds today's instants to 128 s, so due and
+    # start read back equal and an early start could not show.
+    Column("due", Double, nullable=False),
+    Column("started", Double, nullable=False),
 )
+
+
+def create_effect_table(app: Duebox) -> None:
+    """The demo's own table.  On MySQL/MariaDB one an earlier version made
+    with FLOAT columns (above) is dropped first: it holds demo rows only."""
+    found = inspect(app.engine)
+    if app.engine.dialect.name in ("mysql", "mariadb") and found.has_table(effect.name):
+        due = next(c["type"] for c in found.get_columns(effect.name) if c["name"] == "due")
+        if not isinstance(due, Double):
+            effect.drop(app.engine)
+    demo_metadata.create_all(app.engine)
 
 
 @dataclass
@@ -50,7 +64,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 def run_demo(app: Duebox, jobs: int, spread: float, cancels: int) -> DemoResult:
     migrate.upgrade(app.engine)
-    demo_metadata.create_all(app.engine)
+    create_effect_table(app)
     run_id = uuid.uuid4().hex
     calls: dict[uuid.UUID, int] = {}
 

@@ -132,3 +132,33 @@ def test_demo_holds_every_guarantee(tmp_path: Path) -> None:
     assert "ran twice: 0" in out
     assert "cancelled but ran: 0" in out
     assert (tmp_path / "duebox.db").exists()
+
+
+def test_the_demo_stores_its_instants_to_the_microsecond(database_url_all: str) -> None:
+    """The demo tells early starts from two epoch instants it stores.  On
+    MySQL/MariaDB a FLOAT column rounded both to 128 s: lateness read
+    0.0 ms and a start 0.5 ms early was invisible.  A table an earlier
+    version created that way is replaced."""
+    import sqlalchemy as sa
+
+    import duebox
+    from duebox.cli import demo
+
+    app = duebox.Duebox(database_url_all, "sql://")
+    try:
+        if app.engine.dialect.name in ("mysql", "mariadb"):
+            old = sa.MetaData()
+            sa.Table(demo.effect.name, old, sa.Column("job_id", sa.String(36), primary_key=True),
+                     sa.Column("run_id", sa.String(32)), sa.Column("due", sa.Float),
+                     sa.Column("started", sa.Float))
+            old.create_all(app.engine)
+        demo.create_effect_table(app)
+        due = 1_780_000_000.123456
+        with app.engine.begin() as conn:
+            conn.execute(demo.effect.insert().values(job_id="j", run_id="r", due=due,
+                                                     started=due - 0.0005))
+            row = conn.execute(select(demo.effect.c.due, demo.effect.c.started)).one()
+        assert row.started - row.due == pytest.approx(-0.0005, abs=1e-5)
+    finally:
+        demo.effect.drop(app.engine, checkfirst=True)
+        app.dispose()
