@@ -49,6 +49,7 @@ from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
 from duebox.metrics import DBCollector, Metrics, process_metrics
+from duebox.planner_stats import PlannerStats
 from duebox.timing import NEAR_WINDOW
 from duebox.waiting import wait_any
 
@@ -186,6 +187,9 @@ class Relay:
             info=self._info, tick=snapshot, tick_interval=collect_interval)
         self.recovery = LeaseRecovery(app, self.broker, self.batch_size, self.name,
                                       recover_interval)
+        # PostgreSQL: the job table's planner statistics kept fresh through a
+        # burst (core/planner_stats.py).
+        self.planner_stats = PlannerStats(app.engine)
 
     def _info(self) -> dict[str, object]:
         """This relay's registry row: its figures (with its lanes'), and the
@@ -241,6 +245,8 @@ class Relay:
             stats.expired += await asyncio.to_thread(self.catchup.sweep)
         stats.occurrences = await self.schedules.run()
         stats.rerouted = await self.rerouting.step()
+        if self.planner_stats.due():
+            await asyncio.to_thread(self.planner_stats.step)
 
     async def _catch_up(self, stats: PassStats) -> None:
         """Overdue jobs (the backlog after an outage): bounded batches under the
