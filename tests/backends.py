@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,11 +30,28 @@ AMQP = os.environ.get("DUEBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Ports free_port() hands out: a block of 1,000 per xdist worker, below the
+# kernel's ephemeral range (32768-60999 on Linux).  The kernel's own pick
+# (bind to port 0) came from that range, shared by every worker and every
+# outgoing connection: two workers were handed the same port, and one
+# test's server found it taken by another's (tests/test_recipes.py, with 3
+# workers on CI's machine).
+_PORT_BLOCK = 1000
+_PORTS_FROM = 20000
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing is bound to now, from this xdist worker's own block."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = _PORTS_FROM + (int(worker) % 10 if worker.isdigit() else 0) * _PORT_BLOCK
+    for offset in random.sample(range(_PORT_BLOCK), _PORT_BLOCK):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + offset))
+            except OSError:  # in use, or in TIME_WAIT: the next one
+                continue
+            return base + offset
+    raise RuntimeError(f"no free port in {base}-{base + _PORT_BLOCK - 1}")
 
 
 def _session_service(variable: str, address: Callable[[int], str]) -> tuple[str, bool]:

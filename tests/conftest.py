@@ -7,7 +7,7 @@ so tests never assume a clean shared one.  A service that cannot be reached
 fails the test under ``CI=true`` and skips it, loudly, only on a developer
 machine without it.
 
-The suite runs in 2 processes (pytest-xdist, pyproject's addopts), each a
+The suite runs in 3 processes (pytest-xdist, pyproject's addopts), each a
 session of its own with its own databases, vhost, LocalStack and Kafka mock;
 a test that stops or restarts a server they share is marked ``exclusive``
 and runs alone.  tests/README.md, "In parallel", says what a new test needs.
@@ -55,7 +55,7 @@ PG_ADMIN_URL = os.environ.get("DUEBOX_TEST_PG", "postgresql+psycopg://127.0.0.1:
 MYSQL_ADMIN_URL = os.environ.get("DUEBOX_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # The processes `-n auto` runs the suite in (pytest_xdist_auto_num_workers).
-WORKERS = 2
+WORKERS = 3
 RUN_LOCK = exclusive.for_this_worker()
 
 

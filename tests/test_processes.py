@@ -88,7 +88,10 @@ def schedule_jobs(app: duebox.Duebox, n: int, rng: random.Random) -> list[uuid.U
 def cancel_some(app: duebox.Duebox, ids: list[uuid.UUID]) -> set[uuid.UUID]:
     cancelled = set()
     with app.engine.begin() as conn:
-        for job_id in ids:
+        # In duebox's lock order (docs/worker.md, "Limits"): in another, this
+        # transaction and a worker's batch can each hold a row the other
+        # waits for, and PostgreSQL aborts one of them as a deadlock.
+        for job_id in sorted(ids):
             if app.cancel(conn, job_id):
                 cancelled.add(job_id)
     return cancelled

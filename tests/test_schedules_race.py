@@ -136,8 +136,14 @@ def test_ten_relays_racing_over_a_hundred_schedules(database_url: str) -> None:
     assert [p.exitcode for p in procs] == [0] * PROCESSES
     assert len(outcome) == PROCESSES
     assert all(errors == 0 and passes > 0 for _, passes, _, errors in outcome)
-    # The work really was shared among the processes.
-    assert sum(1 for _, _, made, _ in outcome if made > 0) >= 2
+    # The work really was shared among the processes, where the database
+    # locks rows.  SQLite has one writer at a time and its busy handler backs
+    # the waiting ones off (up to 100 ms a sleep) while the writer that just
+    # committed takes the lock again: one relay may legitimately make every
+    # occurrence (seen in a parallel CI run).  Every relay still raced for
+    # it (passes > 0 above), and the occurrences below must be exact.
+    if not database_url.startswith("sqlite"):
+        assert sum(1 for _, _, made, _ in outcome if made > 0) >= 2
 
     with app.engine.connect() as conn:
         rows = conn.execute(sa.select(job.c.id, job.c.schedule_id, job.c.nominal_fire_at)).all()
