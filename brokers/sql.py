@@ -37,7 +37,7 @@ from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import ConfigurationError, DatabaseError
 from duebox.fair_claim import DispatchPolicy, FairPicker
 from duebox.holding import Hold
-from duebox.timing import SQL_HANDOVER_LEAD
+from duebox.timing import HANDOVER_GATHER, SQL_HANDOVER_LEAD
 from duebox.waiting import wait_any
 
 from ._common import number
@@ -56,6 +56,9 @@ from .base import (
 # a worker runs them, few enough that one worker does not hoard what an idle
 # one could start.
 _HOLD_LIMIT = 1_024
+# A held claimed job goes to the worker this long before its due time, with
+# those due within HANDOVER_GATHER after it (one batch of the worker's lane).
+_HAND_OVER = SQL_HANDOVER_LEAD + timedelta(seconds=HANDOVER_GATHER)
 # Rows per claim at most: turning a claim's rows into records holds the GIL,
 # and a claim of hundreds kept due jobs waiting for the event loop for tens
 # of milliseconds; several smaller claims interleave with the hand-offs.
@@ -160,7 +163,8 @@ class SQLBroker(Broker):
                 # Handed over a moment before the due time: the worker reads
                 # the job again (a cancel must win) and holds the handler to
                 # the due time itself, so the round trip is done by then.
-                while (c := held.take(self.context.clock.now() + SQL_HANDOVER_LEAD)) is not None:
+                # With the jobs due just after it (core/timing.py, HANDOVER_GATHER).
+                while (c := held.take(self.context.clock.now() + _HAND_OVER)) is not None:
                     self._in_flight += 1
                     yield Delivery(message=c.record.to_message(), claimed=c.record,
                                    claimed_at=c.at)

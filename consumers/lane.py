@@ -15,7 +15,12 @@ acknowledged.
 Only what needs nothing else takes the lane:
 
 - a decodable message, already due (a claimed ``sql://`` job: not expired,
-  its stored payload readable);
+  its stored payload readable), or one handed over a moment before its due
+  time (Redis and RabbitMQ hand over HANDOVER_LEAD early, ``sql://`` its
+  claimed jobs SQL_HANDOVER_LEAD early):
+  held here, on one timer for all of them, until LANE_LOCK_LEAD before its
+  due time, then locked with its batch and its handler held to the due
+  time in the executor (core/timing.py says why a cancel still wins);
 - of a task that group commit may run (sync, no timeout, not opted out) and
   whose handlers are known to be short: a handler holds its batch's row
   locks, which are the leases, while it runs, so a task that runs long (or
@@ -52,19 +57,21 @@ lane stops leading and the claimer claims everything again.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from duebox import jobstore
 from duebox.brokers.base import Broker, Delivery, LaneClaims
-from duebox.clock import Clock
+from duebox.clock import Clock, follows_real_time
 from duebox.logs import CollapsedLog, kind_of
 from duebox.message import JobMessage, stored_payload_ok
 from duebox.tasks import Task
+from duebox.timing import HANDOVER_GATHER, LANE_HOLD_MOST, LANE_LOCK_LEAD
 from duebox.waiting import wait_any
 
 from .execution import Outcome, Pools
@@ -72,6 +79,8 @@ from .group_commit import group_commit_budget
 from .lane_runs import DueBatch, LaneResult, LaneRuns
 
 log = logging.getLogger("duebox.worker")
+
+_GATHER = timedelta(seconds=HANDOVER_GATHER)
 
 # (delivery — none for a job the lane locked itself —, its job's record,
 # outcome, handler start): one settled entry; a batch's are accounted for
@@ -111,6 +120,13 @@ class Lane:
         self._settle = settle
         self._done = done
         self._waiting: deque[_Entry] = deque()
+        # Deliveries ahead of their due time, by due time (then arrival), and
+        # the one timer that moves them into line (see _release_held).  Only
+        # on a clock that runs by itself: the executor sleeps until due.
+        self._held: list[tuple[datetime, int, _Entry]] = []
+        self._holds = clock is not None and follows_real_time(clock)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_for: datetime | None = None
         self._scheduled = False
         self._running: set[asyncio.Task[None]] = set()
         self._active = 0  # batches running
@@ -135,18 +151,52 @@ class Lane:
         """Take the delivery into the lane if it qualifies (see the module
         notes); False: it goes the usual way."""
         msg, rec = delivery.message, delivery.claimed
-        if msg is None or msg.due_at > now:
+        if msg is None:
             return False
-        if rec is not None and (rec.expired(now) or not stored_payload_ok(rec)):
+        early = msg.due_at > now
+        if early and (not self._holds or msg.due_at - now > LANE_HOLD_MOST):
+            return False
+        if rec is not None and (rec.expired(max(now, msg.due_at)) or not stored_payload_ok(rec)):
             return False  # the usual path expires it or dead-letters it
         task = self.runs.app.tasks.get(msg.task)
         if task is None or not self.runs.runnable(task, msg.headers):
             return False
         if rec is not None and self.claims is not None and not self.claims.leading:
             self.claims.leads(True)  # due jobs of short tasks: the lane claims them
-        self._waiting.append(_Entry(delivery, msg, task))
+        entry = _Entry(delivery, msg, task)
+        if early and msg.due_at - LANE_LOCK_LEAD > now:
+            heapq.heappush(self._held, (msg.due_at, next(self._seq), entry))
+            self._arm()
+            return True
+        self._waiting.append(entry)
         self._schedule()
         return True
+
+    def _arm(self) -> None:
+        """One timer, for the earliest held delivery's lock time."""
+        if not self._held or self.clock is None:
+            return
+        at = self._held[0][0] - LANE_LOCK_LEAD
+        if self._timer is not None:
+            if self._timer_for is not None and self._timer_for <= at:
+                return
+            self._timer.cancel()
+        delay = max(0.0, (at - self.clock.now()).total_seconds())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._release_held)
+        self._timer_for = at
+
+    def _release_held(self, everything: bool = False) -> None:
+        """Held deliveries whose lock time has come, with those due within
+        HANDOVER_GATHER after them, one batch (``everything``: all of them,
+        when stopping), join the line; the timer is set for the next."""
+        self._timer = self._timer_for = None
+        if self.clock is None:
+            return
+        until = self.clock.now() + LANE_LOCK_LEAD + _GATHER
+        while self._held and (everything or self._held[0][0] <= until):
+            self._waiting.append(heapq.heappop(self._held)[2])
+        self._schedule()
+        self._arm()
 
     def _on_free(self) -> None:
         self._freed.set()
@@ -278,7 +328,11 @@ class Lane:
         self._pull_batches(claims)
 
     async def drain(self) -> None:
-        """Stopping: run what is in line (it is due) and wait for every batch."""
+        """Stopping: run what is in line (due, or held to its due time by the
+        executor) and wait for every batch."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._release_held(everything=True)
         while self._waiting or self._running:
             self._flush()
             if self._running:
@@ -288,4 +342,4 @@ class Lane:
                 await self._freed.wait()
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._held)

@@ -76,9 +76,11 @@ class LaneRuns:
 
     def run_unstarted(self, entries: Sequence[tuple[JobMessage, Task]], owner: str
                       ) -> tuple[list[LaneResult], list[int]]:
-        """Deliveries due now, in arrival order, whose jobs were never started:
-        locked, run and completed in one transaction, with no start
-        transaction before it (core/unstarted.py).  Returns what it settled
+        """Deliveries due now or within moments (consumers/lane.py holds
+        early ones until LANE_LOCK_LEAD before their due time), in arrival
+        order, whose jobs were never started: locked, run and completed in one
+        transaction, with no start transaction before it (core/unstarted.py);
+        a handler is held to its job's due time in this thread.  Returns what it settled
         and the indexes left unrun (the group's budget ran out); any other
         entry takes the worker's usual path."""
         ex, clock = self.executors, self.app.clock
@@ -88,14 +90,19 @@ class LaneRuns:
             with db_errors("batch lane"), Session(self.app.engine) as session, session.begin():
                 conn = session.connection()
                 bound_idle_transaction(conn, self.app.settings.lease_seconds)
-                locked = unstarted.lock_startable(conn, [m for m, _ in entries], clock.now(),
-                                                  owner)
+                now = clock.now()
+                locked = unstarted.lock_startable(
+                    conn, [m for m, _ in entries], now, owner,
+                    due_by=max(m.due_at for m, _ in entries))
                 for i, (message, task) in enumerate(entries):
                     # A second copy of a message, or a payload stored undecodable:
                     # the usual path (which discards or dead-letters it).
                     rec = locked.pop(message.job_id, None)
                     if rec is not None and stored_payload_ok(rec):
-                        items.append(GroupItem(task, rec, None, unstarted=True))
+                        # Locked before its due time: the lock is its check,
+                        # and its handler waits for the due time (_run_one).
+                        items.append(GroupItem(task, rec, None, unstarted=True,
+                                               early=rec.due_at > now))
                         index[id(items[-1])] = i
                 if not items:
                     return [], []
@@ -109,9 +116,12 @@ class LaneRuns:
 
     def run_claimed(self, entries: Sequence[tuple[jobstore.JobRecord, Task, datetime | None]]
                     ) -> tuple[list[LaneResult], list[int]]:
-        """Deliveries due now whose jobs their backend claimed (``sql://``):
-        run as one group (their leases checked under the group's lock)."""
-        items = [GroupItem(task, rec, None, leased) for rec, task, leased in entries]
+        """Deliveries due now or within moments whose jobs their backend
+        claimed (``sql://``): run as one group (their leases checked under the
+        group's lock), a handler held to its job's due time in this thread."""
+        now = self.app.clock.now()
+        items = [GroupItem(task, rec, None, leased, early=rec.due_at > now)
+                 for rec, task, leased in entries]
         try:
             done, unrun = self.executors.run_group(items)
         except BaseException as exc:

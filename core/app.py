@@ -396,7 +396,10 @@ class Duebox:
 
         A message already handed to a broker for it will be discarded by the
         worker's version check.  With ``operator`` (and then a ``reason``,
-        required) an audit row is written.
+        required) an audit row is written.  Cancelling several jobs in one
+        transaction: cancel them in id order (``sorted(ids)``), duebox's lock
+        order, or the database may abort it as a deadlock with a worker's
+        batch (docs/worker.md, "Limits").
         """
         dialect_of(session)
         if operator is not None or reason is not None:

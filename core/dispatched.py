@@ -33,6 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import Select, Update
+from sqlalchemy.sql.elements import BindParameter
 
 from . import claims, own_queues
 from .failures import SystemFailure
@@ -65,12 +66,32 @@ def mark_enqueued(
                 )
             ).rowcount
         return total
+    if fence is None and not delivered:
+        return conn.execute(_plain_mark(in_order), {
+            "m_owner": owner, "m_now": now, "m_route": published_to,
+            "mark_ids": list(ids)}).rowcount
     return conn.execute(_mark_stmt(owner, now, job.c.id.in_(list(ids)), fence, published_to,
                                    in_id_order=in_order, delivered=delivered)).rowcount
 
 
-def _mark_stmt(owner: str, now: datetime, chosen: ColumnElement[bool],
-               fence: ColumnElement[bool] | None = None, published_to: str | None = None, *,
+@functools.cache
+def _plain_mark(postgres: bool) -> Update:
+    """The usual mark (no shard fence, no own-consumer queues), built once,
+    its ids one array parameter on PostgreSQL: building the UPDATE and its
+    cache key for every call cost the relay more Python than the round trip
+    (a held job released at a trickle is a mark of its own)."""
+    ids: ColumnElement[bool] = (
+        job.c.id == any_(bindparam("mark_ids", type_=postgresql.ARRAY(job.c.id.type)))
+        if postgres else job.c.id.in_(bindparam("mark_ids", expanding=True)))
+    return _mark_stmt(bindparam("m_owner", type_=job.c.lease_owner.type),
+                      bindparam("m_now", type_=job.c.updated_at.type), ids, None,
+                      bindparam("m_route", type_=job.c.published_to.type),
+                      in_id_order=postgres)
+
+
+def _mark_stmt(owner: str | BindParameter[str], now: datetime | BindParameter[datetime],
+               chosen: ColumnElement[bool], fence: ColumnElement[bool] | None = None,
+               published_to: str | BindParameter[str] | None = None, *,
                in_id_order: bool = False, delivered: Collection[str] = ()) -> Update:
     """The mark of the ``chosen`` rows still DISPATCHING under ``owner``.
 

@@ -48,6 +48,15 @@ EARLY_HOLD = 1.0
 # jobs 1.6-8 ms late at p50; 30 ms: p50 0.3-0.4 ms, p99 0.8-3 ms.
 HANDOVER_LEAD = 0.030
 
+# A hand-over ahead (Redis's mover, the relay's timer for held jobs,
+# ``sql://``'s claimer, the batch lane's hold) also takes the jobs due within
+# this much after the one it woke for: at a steady 500 jobs/s (one every
+# 2 ms) one move or publish, one mark and one worker batch carry two or three
+# jobs instead of one each (bench/RESULTS.md, "The trickle after the lane's
+# hold").  Such a job is handed over at most HANDOVER_LEAD + HANDOVER_GATHER
+# ahead; the worker holds it to its due time.
+HANDOVER_GATHER = 0.005
+
 # A job handed over at most this long before its due time goes to its
 # executor at once, which reads it again and waits out the rest; one further
 # out (brokers hand over HANDOVER_LEAD ahead) first waits on the event loop,
@@ -58,6 +67,16 @@ EXECUTOR_HOLD_MOST = timedelta(milliseconds=6)
 # due time (it claims rows itself: no broker hop to absorb).
 SQL_HANDOVER_LEAD = timedelta(milliseconds=5)
 
+# The batch lane (consumers/lane.py) holds a delivery that arrives at most
+# LANE_HOLD_MOST before its due time (brokers hand over HANDOVER_LEAD early),
+# then locks its row, version-checked, LANE_LOCK_LEAD before that time and
+# holds the handler to it in the executor thread: one transaction instead of
+# the usual path's start, re-read and handler transactions.  A cancel
+# committed before the lock wins, as one committed before the usual path's
+# re-read (REREAD_LEAD) does; one after it waits and finds the job done.
+LANE_LOCK_LEAD = timedelta(milliseconds=5)
+LANE_HOLD_MOST = timedelta(seconds=2 * HANDOVER_LEAD)
+
 # A job leased before its due time is read again this long before it: about
 # a round trip to the database.
 REREAD_LEAD = timedelta(milliseconds=3)
@@ -66,5 +85,6 @@ REREAD_LEAD = timedelta(milliseconds=3)
 # of tokens: small enough to keep the rate smooth, large enough to batch.
 MIN_REFILL = 0.05
 
-__all__ = ["EARLY_HOLD", "EXECUTOR_HOLD_MOST", "HANDOVER_LEAD", "MIN_REFILL", "NEAR_WINDOW",
-           "REREAD_LEAD", "SQL_HANDOVER_LEAD"]
+__all__ = ["EARLY_HOLD", "EXECUTOR_HOLD_MOST", "HANDOVER_GATHER", "HANDOVER_LEAD",
+           "LANE_HOLD_MOST", "LANE_LOCK_LEAD", "MIN_REFILL", "NEAR_WINDOW", "REREAD_LEAD",
+           "SQL_HANDOVER_LEAD"]

@@ -64,6 +64,9 @@ from .states import STARTABLE_STATES, JobState
 from .tables import UTCDateTime, attempt, job
 
 _NOW = bindparam("u_now", type_=job.c.updated_at.type)
+# The instant a lock is for (lock_startable's ``due_by``): due by then, not
+# expired by then.
+_DUE_BY = bindparam("u_due", type_=job.c.due_at.type)
 # Spelled out, not ``IN (...)``: an expanding list cannot go with executemany.
 _STARTABLE = or_(*(job.c.state == state for state in sorted(STARTABLE_STATES)))
 # Startable rows of these (id, version) pairs, due, not expired: locked in
@@ -72,8 +75,8 @@ _LOCK = (
     select(*ROW_COLUMNS, job.c.state)
     .where(tuple_(job.c.id, job.c.version).in_(bindparam("u_pairs", expanding=True)),
            job.c.state.in_(list(STARTABLE_STATES)),
-           job.c.due_at <= _NOW,
-           or_(job.c.expires_at.is_(None), job.c.expires_at > _NOW))
+           job.c.due_at <= _DUE_BY,
+           or_(job.c.expires_at.is_(None), job.c.expires_at > _DUE_BY))
     .order_by(job.c.id)
     .with_for_update(skip_locked=True)
 )
@@ -89,8 +92,8 @@ _PG_LOCK = (
     .select_from(job.join(_PG_PAIRS, and_(job.c.id == _PG_PAIRS.c.id,
                                           job.c.version == _PG_PAIRS.c.version)))
     .where(job.c.state.in_(sorted(STARTABLE_STATES)),
-           job.c.due_at <= _NOW,
-           or_(job.c.expires_at.is_(None), job.c.expires_at > _NOW))
+           job.c.due_at <= _DUE_BY,
+           or_(job.c.expires_at.is_(None), job.c.expires_at > _DUE_BY))
     .order_by(job.c.id)
     .with_for_update(of=job, skip_locked=True)
 )
@@ -151,19 +154,22 @@ _START_ONE = by_primary_key(
 
 
 def lock_startable(conn: Connection, messages: Sequence[JobMessage], now: datetime,
-                   owner: str) -> dict[uuid.UUID, JobRecord]:
-    """Lock the rows of the messages' jobs that may start now (this version,
-    a startable state, due, not expired, not locked by anyone else) and
-    return each as the start would have: attempt and lease generation one
-    up, leased to ``owner``.  A message absent from the result takes the
-    usual path, which says why (or waits for the lock)."""
+                   owner: str, due_by: datetime | None = None) -> dict[uuid.UUID, JobRecord]:
+    """Lock the rows of the messages' jobs that may start by ``due_by``
+    (default ``now``; this version, a startable state, due by then, not
+    expired by then, not locked by anyone else) and return each as the
+    start would have: attempt and lease generation one up, leased to
+    ``owner``.  The caller holds each handler to its job's due time.  A
+    message absent from the result takes the usual path, which says why (or
+    waits for the lock)."""
+    by = now if due_by is None else max(now, due_by)
     if conn.dialect.name == "postgresql":
         rows = conn.execute(_PG_LOCK, {"u_ids": [m.job_id for m in messages],
                                        "u_versions": [m.version for m in messages],
-                                       "u_now": now}).all()
+                                       "u_due": by}).all()
     else:
         rows = conn.execute(_LOCK, {"u_pairs": [(m.job_id, m.version) for m in messages],
-                                    "u_now": now}).all()
+                                    "u_due": by}).all()
     return {rec.id: rec for rec in _as_started(read_records([row[:-1] for row in rows]), owner)}
 
 

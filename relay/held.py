@@ -27,6 +27,7 @@ from datetime import datetime, timedelta
 
 from duebox.holding import Hold
 from duebox.records import JobRecord
+from duebox.timing import HANDOVER_GATHER
 
 # At most this many held jobs (per relay): beyond it, the broker's delay.
 _HOLD_LIMIT = 20_000
@@ -45,6 +46,9 @@ class HeldJobs:
 
     def __init__(self, *, lead: float, max_delay: float | None, precision: float) -> None:
         self.lead = lead
+        # A release also takes what is due just after it (core/timing.py);
+        # only where jobs are handed over ahead at all.
+        self.gather = timedelta(seconds=HANDOVER_GATHER if lead > 0 else 0.0)
         self.max_delay = max_delay
         self.precision = precision
         self._heap: Hold[_Held] = Hold()
@@ -71,9 +75,11 @@ class HeldJobs:
 
     def delay(self, rec: JobRecord, now: datetime) -> float:
         """The broker's delay for ``rec`` published at ``now``."""
-        remaining = (rec.due_at - now).total_seconds()
-        if remaining <= self.lead:  # released by the timer: the worker holds the rest
+        # Released by the timer (compared in whole microseconds: 0.030 +
+        # 0.005 as floats is less than 0.035): the worker holds the rest.
+        if rec.due_at - now <= timedelta(seconds=self.lead) + self.gather:
             return 0.0
+        remaining = (rec.due_at - now).total_seconds()
         if self.max_delay is not None:
             remaining = min(remaining, self.max_delay)
         # Round up to the broker's precision: late by a tick, never early.
@@ -85,11 +91,12 @@ class HeldJobs:
             self.changed.set()
 
     def take_due(self, now: datetime) -> list[tuple[str, list[JobRecord]]]:
-        """Remove the jobs whose release time has come: in runs of one claim
-        (owner), in release order (grouping a claim's jobs together would
-        send a later claim's earlier jobs after them)."""
+        """Remove the jobs whose release time has come, and those due within
+        ``gather`` after them: in runs of one claim (owner), in release order
+        (grouping a claim's jobs together would send a later claim's earlier
+        jobs after them)."""
         runs: list[tuple[str, list[JobRecord]]] = []
-        for item in self._heap.take_all(now):
+        for item in self._heap.take_all(now + self.gather):
             if runs and runs[-1][0] == item.owner:
                 runs[-1][1].append(item.record)
             else:

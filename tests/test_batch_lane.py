@@ -32,7 +32,10 @@ from helpers import (
 )
 
 import duebox
+from duebox.brokers.base import BrokerContext, Outgoing
 from duebox.consumers.lane import Lane
+from duebox.message import JobMessage
+from duebox.registry import broker_class
 from duebox.tables import job
 from duebox.tasks import RetryPolicy
 
@@ -234,3 +237,155 @@ async def test_a_task_not_known_to_be_short_keeps_the_usual_path(
                      what="all 10 slow-task jobs to succeed")
     assert r.worker_total("laned") == 0
     assert r.worker_total("succeeded") == 10
+
+
+# --- deliveries handed over ahead of their due time ------------------------------------
+
+
+def _schedule_ahead(app: duebox.Duebox, n: int, seconds: float, task: str = "ahead",
+                    spacing_ms: float = 7.0) -> list[tuple[uuid.UUID, datetime]]:
+    first = datetime.now(UTC) + timedelta(seconds=seconds)
+    with app.engine.begin() as conn:
+        out = []
+        for i in range(n):
+            due = first + timedelta(milliseconds=i * spacing_ms)
+            out.append((app.schedule(conn, task, {"due": due.timestamp()}, at=due), due))
+        return out
+
+
+def _timed_task(app: duebox.Duebox) -> dict[str, float]:
+    """A task that notes, first thing, when its handler started (wall clock)."""
+    began: dict[str, float] = {}
+
+    @app.task("ahead")
+    def ahead(payload: Any, ctx: duebox.JobContext) -> None:
+        began[str(ctx.job_id)] = datetime.now(UTC).timestamp()
+        ctx.session.execute(effects.insert().values(effect_values(ctx)))
+
+    return began
+
+
+@pytest.mark.parametrize("broker", ["redis", "sql"])
+async def test_deliveries_handed_over_ahead_run_in_the_lane_never_early(
+        server_url: str, redis_keys: Keys, broker: str) -> None:
+    """Redis hands a job to its stream 30 ms before its due time, ``sql://``
+    its claimed job to the worker 5 ms before: the lane holds it, locks it
+    with its batch a moment before the due time and holds the handler to it
+    — one transaction, no start (or, on ``sql://``, handler) transaction of
+    its own."""
+    app = make_app(server_url, redis_keys.url() if broker == "redis" else "sql://")
+    began = _timed_task(app)
+    jobs = _schedule_ahead(app, 30, 1.5)
+    ids = [j for j, _ in jobs]
+    async with Running(app, relays=1, workers=1, concurrency=4) as r:
+        seen_short_handlers(r)
+        await r.wait(lambda: all_final(app.engine, ids), timeout=60,
+                     what="all 30 jobs to succeed")
+    assert r.worker_total("laned") == 30, "each one held and run by the lane"
+    for job_id, due in jobs:
+        assert began[str(job_id)] >= due.timestamp(), "started before its due time"
+        row = job_row(app.engine, job_id)
+        assert (row.state, row.attempt) == ("SUCCEEDED", 1)
+        assert row.started_at >= row.due_at
+        (a,) = attempt_rows(app.engine, job_id)
+        assert a.outcome == "succeeded"
+    assert len(effect_rows(app.engine)) == 30
+
+
+@pytest.fixture
+def early_handover(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Redis's mover and ``sql://``'s claimer hand jobs over 1.5 s ahead and
+    the lane holds that long: a window a test can act in (30 and 5 ms by
+    default)."""
+    import duebox.brokers.redis_mover as mover
+    import duebox.brokers.sql as sql
+    import duebox.consumers.lane as lane
+    monkeypatch.setattr(mover, "MOVE_LEAD_MS", 1500.0)
+    monkeypatch.setattr(sql, "_HAND_OVER", timedelta(seconds=1.5))
+    monkeypatch.setattr(lane, "LANE_HOLD_MOST", timedelta(seconds=3))
+    return 1.5
+
+
+@pytest.mark.parametrize("broker", ["redis", "sql"])
+async def test_a_cancel_committed_while_the_lane_holds_a_delivery_wins(
+        server_url: str, redis_keys: Keys, early_handover: float, broker: str) -> None:
+    """Redis: the lane's version-checked lock finds the job cancelled;
+    ``sql://`` (the claim leased it): the group's lease check does."""
+    app = make_app(server_url, redis_keys.url() if broker == "redis" else "sql://")
+    began = _timed_task(app)
+    jobs = _schedule_ahead(app, 6, early_handover + 1.0)
+    ids = [j for j, _ in jobs]
+    async with Running(app, relays=1, workers=1, concurrency=4) as r:
+        seen_short_handlers(r)
+        lane = r.workers[0].lane
+        assert lane is not None
+        await r.wait(lambda: len(lane) == 6, timeout=30,
+                     what="the lane to hold all 6 deliveries")
+        cancelled = sorted(ids[::2])
+        with app.engine.begin() as conn:
+            for job_id in cancelled:
+                assert app.cancel(conn, job_id)
+        kept = [j for j in ids if j not in cancelled]
+        await r.wait(lambda: all_final(app.engine, kept), timeout=30,
+                     what="the 3 jobs left to succeed")
+        await r.wait(lambda: r.worker_total("duplicates") >= 3, timeout=30,
+                     what="the 3 cancelled jobs' messages to be discarded")
+    assert set(began) == {str(j) for j in kept}
+    assert all(job_row(app.engine, j).state == "CANCELLED" for j in cancelled)
+    for job_id, due in jobs:
+        if job_id in kept:
+            assert began[str(job_id)] >= due.timestamp(), "started before its due time"
+
+
+async def test_a_worker_stopped_while_holding_runs_its_deliveries_at_their_due_time(
+        server_url: str, redis_keys: Keys, early_handover: float) -> None:
+    """Stopping drains the lane: what it holds is locked and run, each
+    handler held to its due time, not dropped for the broker to redeliver."""
+    app = _app(server_url, redis_keys)
+    began = _timed_task(app)
+    jobs = _schedule_ahead(app, 3, early_handover + 0.5)
+    async with Running(app, relays=1, workers=1, concurrency=4) as r:
+        seen_short_handlers(r)
+        lane = r.workers[0].lane
+        assert lane is not None
+        await r.wait(lambda: len(lane) == 3, timeout=30, what="the lane to hold all 3")
+    # The worker has stopped: each ran in its drain, none early.
+    for job_id, due in jobs:
+        assert job_row(app.engine, job_id).state == "SUCCEEDED"
+        assert began[str(job_id)] >= due.timestamp(), "started before its due time"
+    assert r.worker_total("laned") == 3
+
+
+async def test_forged_messages_handed_over_ahead_run_nothing(
+        server_url: str, redis_keys: Keys) -> None:
+    """Messages a moment ahead that the job table contradicts: one for a job
+    that does not exist, and one with a real job's id and version claiming
+    it is due now when its row is due tomorrow.  The lane holds both, its
+    lock finds neither (the row's ``due_at`` is the condition, not the
+    message's), and the usual path rejects the first and defers the second:
+    no handler runs."""
+    app = _app(server_url, redis_keys)
+    began = _timed_task(app)
+    tomorrow = datetime.now(UTC) + timedelta(days=1)
+    with app.engine.begin() as conn:
+        real = app.schedule(conn, "ahead", {"due": tomorrow.timestamp()}, at=tomorrow)
+    url = app.settings.broker_url
+    forger = broker_class(url)(url, BrokerContext(app.engine, app.clock, app.settings))
+    soon = datetime.now(UTC) + timedelta(seconds=1.5)
+    try:
+        sent = await forger.publish([
+            Outgoing(JobMessage(uuid.uuid4(), "ahead", "default", 1, 0, soon), 1.5),
+            Outgoing(JobMessage(real, "ahead", "default", 1, 0, soon), 1.5)])
+        assert all(r.ok for r in sent)
+    finally:
+        await forger.close()
+    async with Running(app, relays=0, workers=1, concurrency=4) as r:
+        seen_short_handlers(r)
+        await r.wait(lambda: r.discarded.get("unknown_job", 0) >= 1
+                     and r.worker_total("deferred") >= 1, timeout=30,
+                     what="the unknown job's message rejected and the real one's deferred")
+    assert began == {}
+    assert r.worker_total("laned") == 0
+    row = job_row(app.engine, real)
+    assert (row.state, row.attempt) == ("SCHEDULED", 0)
+    assert attempt_rows(app.engine, real) == []
