@@ -113,6 +113,7 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> None:
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python bench/peers/run.py " + " ".join(argv),
         "settings": {"runs": args.runs, "jobs": args.jobs, "late_jobs": args.late_jobs,
+                     "fast_late_jobs": args.fast_late_jobs,
                      "spread": args.spread, "lead": 2.0},
         "systems": [s.__dict__ for s in systems],
         "machine": machine.describe(), "runs": [], "profiles": {}, "note": args.note,
@@ -130,6 +131,9 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> None:
                 res["A"] = _one(workloads.throughput, s, ctx, args.jobs, label + "-A")
                 res["B"] = _one(workloads.lateness, s, ctx, args.late_jobs, False,
                                 label + "-B", spread=args.spread)
+                if args.fast_late_jobs:
+                    res["B_fast"] = _one(workloads.lateness, s, ctx, args.fast_late_jobs, False,
+                                         label + "-Bf", spread=args.spread)
                 if s.aggressive is not None:
                     res["B_aggr"] = _one(workloads.lateness, s, ctx, args.late_jobs, True,
                                          label + "-Bx", spread=args.spread)

@@ -1,8 +1,10 @@
 """Dramatiq on Redis or RabbitMQ (BENCH_BROKER=redis|amqp).
 
-Worker: one process with Dramatiq's default 8 threads and its default
-``worker_timeout`` of 1000 ms; BENCH_AGGRESSIVE=1 sets 100 ms (how long a
-consumer waits for a message before it looks at its delay queue again).
+Worker: as the ``dramatiq`` command runs it by default, one process per CPU
+(BENCH_PROCESSES overrides: the ``-1p`` systems run one), each with
+Dramatiq's default 8 threads and its default ``worker_timeout`` of 1000 ms;
+BENCH_AGGRESSIVE=1 sets 100 ms (how long a consumer waits for a message
+before it looks at its delay queue again).
 Delayed jobs: ``send_with_options(delay=ms)``, rounded up to whole ms.
 Dramatiq has no batch enqueue: one ``send`` per job.
 """
@@ -52,6 +54,20 @@ def enqueue(dues: list[float], delayed: bool) -> str:
 
 
 def worker() -> None:
+    processes = int(os.environ.get("BENCH_PROCESSES") or os.cpu_count() or 1)
+    children = []
+    for _ in range(processes - 1):  # forked: the harness's killpg stops them all
+        pid = os.fork()
+        if pid == 0:
+            _one_worker()
+            os._exit(0)
+        children.append(pid)
+    _one_worker()
+    for pid in children:
+        os.waitpid(pid, 0)
+
+
+def _one_worker() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     w = dramatiq.Worker(broker, worker_threads=8, worker_timeout=100 if aggressive() else 1000)

@@ -28,7 +28,7 @@ app = duebox.Duebox.from_env()
 
 @app.task("noop")  # type: ignore[untyped-decorator]  # mypy sees duebox untyped here
 def noop(payload: Any, ctx: duebox.JobContext) -> None:
-    record(payload["due"])
+    record(payload["due"], ctx.tenant or "")
 
 
 def setup() -> None:

@@ -16,12 +16,14 @@ LINE = 36  # "%017.6f %017.6f\n"
 _fds: dict[tuple[int, int], int] = {}
 
 
-def record(due: float) -> None:
+def record(due: float, tag: str = "") -> None:
+    """``tag`` (a tenant, in bench/burst9.py) names the file the line goes
+    to, so lines stay fixed-width and :func:`read_tagged` can tell them apart."""
     started = time.time()  # first: nothing of ours is counted as lateness
-    key = (os.getpid(), threading.get_ident())
+    key = (os.getpid(), threading.get_ident(), tag)
     fd = _fds.get(key)
-    if fd is None:  # one file per process and thread: no interleaved writes
-        path = os.path.join(os.environ["BENCH_RECORD_DIR"], f"{key[0]}-{key[1]}.rec")
+    if fd is None:  # one file per process, thread and tag: no interleaved writes
+        path = os.path.join(os.environ["BENCH_RECORD_DIR"], f"{key[0]}-{key[1]}-{tag}.rec")
         fd = _fds[key] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.write(fd, b"%017.6f %017.6f\n" % (due, started))
 
@@ -31,10 +33,16 @@ def count(directory: str) -> int:
 
 
 def read(directory: str) -> list[tuple[float, float]]:
-    rows: list[tuple[float, float]] = []
+    return [(due, started) for _, due, started in read_tagged(directory)]
+
+
+def read_tagged(directory: str) -> list[tuple[str, float, float]]:
+    """(tag, due, started) of every line."""
+    rows: list[tuple[str, float, float]] = []
     for entry in os.scandir(directory):
+        tag = entry.name[:-len(".rec")].split("-", 2)[2]
         with open(entry.path, "rb") as f:
             for line in f.read().splitlines():
                 due, started = line.split()
-                rows.append((float(due), float(started)))
+                rows.append((tag, float(due), float(started)))
     return rows

@@ -50,7 +50,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--jobs", type=int, default=20_000, help="workload A jobs")
-    p.add_argument("--late-jobs", type=int, default=500, help="workload B jobs")
+    p.add_argument("--late-jobs", type=int, default=1000,
+                   help="workload B jobs (over --spread: 100 jobs/s)")
+    p.add_argument("--fast-late-jobs", type=int, default=5000,
+                   help="workload B at speed, default settings (500 jobs/s); 0: skip")
     p.add_argument("--spread", type=float, default=10.0, help="workload B: seconds")
     p.add_argument("--only", default=None, help="comma-separated system names")
     p.add_argument("--quick", action="store_true", help="2,000 + 100 jobs, 1 run")
@@ -61,7 +64,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--note", default=None, help="a paragraph for the top of RESULTS.md")
     args = p.parse_args(argv)
     if args.quick:
-        args.runs, args.jobs, args.late_jobs = 1, 2000, 100
+        args.runs, args.jobs, args.late_jobs, args.fast_late_jobs = 1, 2000, 100, 200
     for name in ("runs", "jobs", "late_jobs"):
         if getattr(args, name) < 1 or (name != "runs" and getattr(args, name) < 2):
             p.error(f"--{name.replace('_', '-')}: too small")

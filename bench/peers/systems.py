@@ -12,6 +12,7 @@ class System:
     broker: str            # pg | redis | amqp | kafka | sqs
     processes: tuple[str, ...] = ("worker",)
     aggressive: str | None = None   # the "most aggressive polling" setting, None: none exists
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of its processes
 
     @property
     def is_duebox(self) -> bool:
@@ -27,7 +28,9 @@ SYSTEMS: tuple[System, ...] = (
     System("celery-redis", "celery", "redis"),
     System("celery-amqp", "celery", "amqp"),
     System("dramatiq-redis", "dramatiq", "redis", aggressive="worker_timeout=100 ms"),
+    System("dramatiq-redis-1p", "dramatiq", "redis", env=(("BENCH_PROCESSES", "1"),)),
     System("dramatiq-amqp", "dramatiq", "amqp", aggressive="worker_timeout=100 ms"),
+    System("dramatiq-amqp-1p", "dramatiq", "amqp", env=(("BENCH_PROCESSES", "1"),)),
     System("pgqueuer", "pgqueuer", "pg", aggressive="dequeue_timeout=0.1 s"),
     System("procrastinate", "procrastinate", "pg", aggressive="fetch_job_polling_interval=0.1"),
     System("duebox-sql", "duebox", "pg", ("relay", "worker"), DUEBOX_AGGRESSIVE),

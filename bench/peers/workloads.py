@@ -116,7 +116,8 @@ def _wait(directory: str, n: int, procs: Processes, timeout: float) -> None:
 
 
 def _env(system: System, base: dict[str, str], aggressive: bool) -> dict[str, str]:
-    env = {**os.environ, **base, "PYTHONPATH": str(HERE), "BENCH_AGGRESSIVE": "0"}
+    env = {**os.environ, **base, "PYTHONPATH": str(HERE), "BENCH_AGGRESSIVE": "0",
+           **dict(system.env)}
     if aggressive:
         env["BENCH_AGGRESSIVE"] = "1"
         if system.is_duebox:
