@@ -267,18 +267,19 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
               help="[env DUEBOX_BROKER_URL]")
 @click.option("--jobs", "n_jobs", default=300, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--spread", default=5.0, show_default=True, type=click.FloatRange(0, 60),
-              help="Delays are spread evenly over 0..SPREAD seconds.")
+              help="Due times are spread evenly over SPREAD seconds, from a "
+              "moment after the relay and the worker have started.")
 @click.option("--cancels", default=10, show_default=True, type=click.IntRange(0, 1000),
               help="How many of the jobs to cancel before they are due.")
 @errors_as_messages
 def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels: int) -> None:
     """Schedule jobs, run a relay and a worker, and report lateness and duplicates."""
-    from .demo import run_demo
+    from .demo import START_LEAD, run_demo
 
     logging.getLogger().setLevel(logging.WARNING)
     app = Duebox(database_url=database_url, broker_url=broker_url)
-    click.echo(f"duebox demo: {n_jobs} jobs due over the next {spread:g} s on "
-               f"{redacted(database_url)} with {broker_url}")
+    click.echo(f"duebox demo: {n_jobs} jobs due from {START_LEAD:g} s to "
+               f"{START_LEAD + spread:g} s from now on {redacted(database_url)} with {broker_url}")
     r = run_demo(app, n_jobs, spread, cancels)
     app.dispose()
     click.echo(

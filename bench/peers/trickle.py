@@ -5,6 +5,7 @@ comes from at a steady trickle (issue #20).
     $PY bench/peers/trickle.py duebox-redis             # 5,000 jobs over 10 s: 500/s
     $PY bench/peers/trickle.py duebox-amqp --jobs 1000  # 100/s
     $PY bench/peers/trickle.py duebox-sql --runs 3
+    $PY bench/peers/trickle.py duebox-kafka --jobs 1000  # starts the harness's Kafka mock
 
 The same processes and environment as ``run.py``'s workload B (fresh
 database, namespace and record directory; the jobs enqueued in one
@@ -28,8 +29,9 @@ from pathlib import Path
 import psycopg
 import record
 from cpu import CpuMeter
+from harness import kafka_mock
 from resources import environment
-from systems import SYSTEMS
+from systems import SYSTEMS, System
 from workloads import Context, Processes, _env, _run, _wait
 
 LEAD = 2.0  # seconds from the enqueue to the first due time, as workload B
@@ -37,9 +39,15 @@ LEAD = 2.0  # seconds from the enqueue to the first due time, as workload B
 
 def trickle(name: str, jobs: int, spread: float) -> None:
     system = next(s for s in SYSTEMS if s.name == name)
-    ctx = Context(kafka=None, sqs=None, logs=Path(tempfile.mkdtemp(prefix="trickle-logs-")))
+    with kafka_mock(system.broker == "kafka") as kafka:
+        _trickle(system, jobs, spread, kafka)
+
+
+def _trickle(system: System, jobs: int, spread: float, kafka: str | None) -> None:
+    name = system.name
+    ctx = Context(kafka=kafka, sqs=None, logs=Path(tempfile.mkdtemp(prefix="trickle-logs-")))
     rec = tempfile.mkdtemp(prefix="trickle-rec-")
-    with environment(system, None, None, rec) as base:
+    with environment(system, kafka, None, rec) as base:
         env = _env(system, base, aggressive=False)
         _run(system, env, "setup")
         procs = Processes(system, env, ctx, "trickle")
