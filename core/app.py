@@ -239,6 +239,10 @@ class Duebox:
         self.task(name, **options)(fn)
 
     def get_task(self, name: str) -> Task:
+        if not isinstance(name, str):  # a dict or a NewJob raised TypeError (unhashable)
+            hint = ("; a job built with app.new_job() is written with app.schedule_many()"
+                    if isinstance(name, NewJob) else "")
+            raise ValidationError("task", f"must be a task's name, a str{hint}", name)
         try:
             return self.tasks[name]
         except KeyError:

@@ -94,6 +94,11 @@ CASES: list[tuple[str, Call, type[DueboxError], str]] = [
     ("schedule_many with a key", lambda a, s: a.schedule_many(
         s, [a.new_job("effect"), a.new_job("effect", key="k")]), ValidationError, "jobs[1].key"),
     ("new_job unknown task", lambda a, s: a.new_job("nope"), UnknownTaskError, "task"),
+    # Not a name at all: a TypeError (unhashable) came out of the task lookup.
+    ("task a NewJob", lambda a, s: a.schedule(s, a.new_job("effect")), ValidationError, "task"),
+    ("task a dict", lambda a, s: a.schedule(s, {"task": "effect"}), ValidationError, "task"),
+    ("task a number", lambda a, s: a.schedule(s, 5), ValidationError, "task"),
+    ("new_job task a list", lambda a, s: a.new_job(["effect"]), ValidationError, "task"),
 ]
 
 
