@@ -267,8 +267,8 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
               help="[env DUEBOX_BROKER_URL]")
 @click.option("--jobs", "n_jobs", default=300, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--spread", default=5.0, show_default=True, type=click.FloatRange(0, 60),
-              help="Due times are spread evenly over SPREAD seconds, from a "
-              "moment after the relay and the worker have started.")
+              help="Due times are spread evenly over SPREAD seconds, after a "
+              "short lead in which the relay and the worker start.")
 @click.option("--cancels", default=10, show_default=True, type=click.IntRange(0, 1000),
               help="How many of the jobs to cancel before they are due.")
 @errors_as_messages
