@@ -37,6 +37,23 @@ async def app(database_url: str) -> AsyncIterator[duebox.Duebox]:
     await a.adispose()
 
 
+def _deep(levels: int) -> list[Any]:
+    outer: list[Any] = []
+    inner = outer
+    for _ in range(levels):
+        inner.append([])
+        inner = inner[0]
+    return outer
+
+
+class _Unprintable:
+    def __hash__(self) -> int:
+        raise RuntimeError("no hash")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
 # Each case: (id, call(app, session), error type, field named in the message).
 Call = Callable[[duebox.Duebox, Any], Any]
 CASES: list[tuple[str, Call, type[DueboxError], str]] = [
@@ -99,6 +116,9 @@ CASES: list[tuple[str, Call, type[DueboxError], str]] = [
     ("task a dict", lambda a, s: a.schedule(s, {"task": "effect"}), ValidationError, "task"),
     ("task a number", lambda a, s: a.schedule(s, 5), ValidationError, "task"),
     ("new_job task a list", lambda a, s: a.new_job(["effect"]), ValidationError, "task"),
+    ("task nested deep", lambda a, s: a.new_job(_deep(100_000)), ValidationError, "task"),
+    ("task unhashable and unprintable", lambda a, s: a.new_job(_Unprintable()),
+     ValidationError, "task"),
 ]
 
 
