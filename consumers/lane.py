@@ -57,17 +57,17 @@ lane stops leading and the claimer claims everything again.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from duebox import jobstore
 from duebox.brokers.base import Broker, Delivery, LaneClaims
 from duebox.clock import Clock, follows_real_time
+from duebox.holding import Hold
 from duebox.logs import CollapsedLog, kind_of
 from duebox.message import JobMessage, stored_payload_ok
 from duebox.tasks import Task
@@ -81,6 +81,7 @@ from .lane_runs import DueBatch, LaneResult, LaneRuns
 log = logging.getLogger("duebox.worker")
 
 _GATHER = timedelta(seconds=HANDOVER_GATHER)
+_EVER = datetime.max.replace(tzinfo=UTC)  # stopping: every held delivery, in due order
 
 # (delivery — none for a job the lane locked itself —, its job's record,
 # outcome, handler start): one settled entry; a batch's are accounted for
@@ -123,7 +124,7 @@ class Lane:
         # Deliveries ahead of their due time, by due time (then arrival), and
         # the one timer that moves them into line (see _release_held).  Only
         # on a clock that runs by itself: the executor sleeps until due.
-        self._held: list[tuple[datetime, int, _Entry]] = []
+        self._held: Hold[_Entry] = Hold()
         self._holds = clock is not None and follows_real_time(clock)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_for: datetime | None = None
@@ -165,7 +166,7 @@ class Lane:
             self.claims.leads(True)  # due jobs of short tasks: the lane claims them
         entry = _Entry(delivery, msg, task)
         if early and msg.due_at - LANE_LOCK_LEAD > now:
-            heapq.heappush(self._held, (msg.due_at, next(self._seq), entry))
+            self._held.push(msg.due_at, entry)
             self._arm()
             return True
         self._waiting.append(entry)
@@ -174,9 +175,10 @@ class Lane:
 
     def _arm(self) -> None:
         """One timer, for the earliest held delivery's lock time."""
-        if not self._held or self.clock is None:
+        earliest = self._held.earliest()
+        if earliest is None or self.clock is None:
             return
-        at = self._held[0][0] - LANE_LOCK_LEAD
+        at = earliest - LANE_LOCK_LEAD
         if self._timer is not None:
             if self._timer_for is not None and self._timer_for <= at:
                 return
@@ -193,8 +195,7 @@ class Lane:
         if self.clock is None:
             return
         until = self.clock.now() + LANE_LOCK_LEAD + _GATHER
-        while self._held and (everything or self._held[0][0] <= until):
-            self._waiting.append(heapq.heappop(self._held)[2])
+        self._waiting.extend(self._held.take_all(_EVER if everything else until))
         self._schedule()
         self._arm()
 

@@ -67,7 +67,7 @@ def mark_enqueued(
             ).rowcount
         return total
     if fence is None and not delivered:
-        return conn.execute(_plain_mark(in_order), {
+        return conn.execute(_plain_mark(postgres=in_order), {
             "m_owner": owner, "m_now": now, "m_route": published_to,
             "mark_ids": list(ids)}).rowcount
     return conn.execute(_mark_stmt(owner, now, job.c.id.in_(list(ids)), fence, published_to,
