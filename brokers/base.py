@@ -251,7 +251,7 @@ class Broker(abc.ABC):
 
     def lane_claims(self) -> LaneClaims | None:
         """The backend's side of a batch lane that claims due jobs itself
-        (``sql://``, consumers/lane.py); None (the default): deliveries
+        (``sql://``, consumers/runner.py); None (the default): deliveries
         reach the lane only through :meth:`consume`."""
         return None
 

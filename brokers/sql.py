@@ -15,7 +15,7 @@ lands inside that window finds the job running: its handler is told
 (``ctx.cancelled``) and its completion, fenced, rolls back.  ``lookahead=0``
 claims only due jobs.
 
-A worker's batch lane (consumers/lane.py) may claim the due jobs itself, in
+A worker's batch lane (consumers/runner.py) may claim the due jobs itself, in
 the transaction that runs them, with no claim written (:meth:`lane_claims`,
 core/unstarted.py ``lock_due``): while it leads, this claimer takes only
 jobs due later (the hand-over above) and wakes the lane when due rows wait.

@@ -9,7 +9,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Generator
+import time
+from collections.abc import Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -18,13 +19,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import Session
 
 from duebox import dlq, jobstore
 from duebox.clock import wait_until
 from duebox.db import SQLITE_DEFERRED, db_errors
 from duebox.errors import DatabaseError, LeaseLostError
-from duebox.failures import FailureClass, Verdict, bounded_traceback, error_line
+from duebox.failures import (
+    FailureClass,
+    HandlerAbortError,
+    Verdict,
+    bounded_traceback,
+    error_line,
+)
 from duebox.ids import uuid7
 from duebox.logs import job_fields, log_traced
 from duebox.masking import masked_text
@@ -32,6 +38,7 @@ from duebox.states import LeaseVerdict
 from duebox.tasks import JobContext, JobControl, Task
 
 from .dedupe import SQLDedupeStore
+from .handler_session import HandlerSession
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -46,21 +53,16 @@ class Pools:
     concurrency; the worker's own short database calls (start, heartbeat,
     settle) get a separate one, so busy handlers can never starve the
     heartbeats that keep their leases (which would let a healthy job be
-    taken over and run again)."""
+    taken over and run again).  Until :meth:`start` (and after
+    :meth:`shutdown`) both are the event loop's default executor."""
 
-    def __init__(self, handlers: ThreadPoolExecutor | None, control: ThreadPoolExecutor | None
-                 ) -> None:
-        self._handlers = handlers
-        self._control = control
+    def __init__(self) -> None:
+        self._handlers: ThreadPoolExecutor | None = None
+        self._control: ThreadPoolExecutor | None = None
 
-    @classmethod
-    def default(cls) -> Pools:
-        return cls(None, None)
-
-    @classmethod
-    def for_worker(cls, concurrency: int) -> Pools:
-        return cls(ThreadPoolExecutor(concurrency, thread_name_prefix="duebox-handler"),
-                   ThreadPoolExecutor(4, thread_name_prefix="duebox-db"))
+    def start(self, concurrency: int) -> None:
+        self._handlers = ThreadPoolExecutor(concurrency, thread_name_prefix="duebox-handler")
+        self._control = ThreadPoolExecutor(4, thread_name_prefix="duebox-db")
 
     def handler(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         return asyncio.get_running_loop().run_in_executor(self._handlers, fn, *args)
@@ -70,7 +72,8 @@ class Pools:
 
     def shutdown(self) -> None:
         # A timed-out sync handler may still be running: do not wait for it.
-        for pool in (self._handlers, self._control):
+        pools, self._handlers, self._control = (self._handlers, self._control), None, None
+        for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 
@@ -109,13 +112,16 @@ class Execution:
     def __init__(self, app: Duebox, task: Task, rec: jobstore.JobRecord, worker: str,
                  dedupe: SQLDedupeStore, pools: Pools | None = None,
                  check_first: bool = False) -> None:
-        self.pools = pools or Pools.default()
+        self.pools = pools or Pools()
         # Handed over a moment before its due time (a sync handler, a clock
         # that follows real time): the executor thread reads the lease again,
         # waits for the due time itself, then runs the handler — one thread
         # hand-off instead of three, and a start to the tenth of a millisecond.
         self.check_first = check_first
         self.started: datetime | None = None
+        # When the handler was called (monotonic): the runner's watchdog
+        # tells a straggler by it.
+        self.began: float | None = None
         self.app = app
         self.task = task
         self.rec = rec
@@ -152,24 +158,32 @@ class Execution:
         return job_context(self.rec, session, self.worker, self)
 
     async def run(self) -> Outcome:
-        # The heartbeat task is created only once a third of the lease has
-        # passed: most handlers are done long before, and a task per job
-        # (created, cancelled, awaited) was a good part of the event loop's
-        # work per job.
-        beats: list[asyncio.Task[None]] = []
-        later = asyncio.get_running_loop().call_later(
-            self.lease / 3, lambda: beats.append(asyncio.create_task(self._beat())))
+        stop = self.keep_leased()
         try:
             return await self._run_with_timeout()
         finally:
+            await stop()
+
+    def keep_leased(self) -> Callable[[], Awaitable[None]]:
+        """Renew the lease every third of it while the handler runs; the
+        returned coroutine function stops that.  The heartbeat task is
+        created only once a third of the lease has passed: most handlers are
+        done long before, and a task per job (created, cancelled, awaited)
+        was a good part of the event loop's work per job."""
+        beats: list[asyncio.Task[None]] = []
+        later = asyncio.get_running_loop().call_later(
+            self.lease / 3, lambda: beats.append(asyncio.create_task(self._beat())))
+
+        async def stop() -> None:
             later.cancel()
             for beat in beats:
                 beat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
+        return stop
 
     async def _run_with_timeout(self) -> Outcome:
-        work = self._run_async() if self.task.is_async else self.pools.handler(self._run_sync)
+        work = self._run_async() if self.task.is_async else self.pools.handler(self.run_sync)
         try:
             if self.task.timeout is None:
                 return await work
@@ -202,12 +216,15 @@ class Execution:
             verdict = self.task.classifier.classify(exc)
             return await self.pools.db(self.settle, verdict, error_line(exc), exc)
 
-    def _run_sync(self) -> Outcome:
+    def run_sync(self) -> Outcome:
+        """A sync handler alone, in its executor thread: its transaction,
+        the handler, then :meth:`finish` (its completion or its failure)."""
         engine = self.app.engine.execution_options(**{SQLITE_DEFERRED: True})
         same_transaction = engine.dialect.name == "postgresql"
         if self.check_first and not same_transaction and not still_leased(self.app, [self.rec])[0]:
             return Outcome(RunStatus.CANCELLED)
-        with Session(engine) as session, session.begin():
+        with HandlerSession(engine) as session:
+            session.begin()
             # Read committed: reading first costs the handler's transaction
             # nothing (elsewhere a snapshot taken this early could keep
             # SQLite's write lock from being granted).
@@ -217,17 +234,60 @@ class Execution:
             if self.check_first:
                 wait_until(self.app.clock, self.rec.due_at)
             self.started = self.app.clock.now()
-            self.task.fn(self.rec.payload, self.context(session))
-            # The handler's ORM writes first; then duebox's own statements go
-            # through the connection: Session.execute would treat the
-            # completion's SELECT as an ORM query and cost several times more.
-            session.flush()
-            return self._finish(session.connection().execute)
+            self.began = time.monotonic()
+            error = call_handler(self.task, self.rec.payload, self.context(session), session)
+            return self.finish(session, error)
+
+    def finish(self, session: HandlerSession, error: BaseException | None) -> Outcome:
+        """In the handler's thread, once it returned (``error``: what it
+        raised): complete the job in the handler's transaction — the dedupe
+        row and the fenced completion, then the commit — or roll that
+        transaction back and record the failure.  Also how a handler a batch
+        let go finishes (consumers/batch.py): its session then has a
+        transaction of its own, or none yet."""
+        if error is None:
+            try:
+                conn = session.connection()
+                session.check_rules(conn)
+                # The handler's ORM writes first; then duebox's own statements
+                # go through the connection: Session.execute would treat the
+                # completion's SELECT as an ORM query and cost several times more.
+                session.flush()
+                outcome = run_steps(self._finish_steps(), conn.execute)
+                if outcome.status is RunStatus.DUPLICATE:
+                    session.rollback()  # seen before: this run's writes must not count
+                    return self._close_duplicate()
+                session.commit()
+                return outcome
+            except Exception as exc:
+                error = exc
+        with contextlib.suppress(Exception):  # a lost connection has nothing to roll back
+            session.rollback()
+        if isinstance(error, LeaseLostError):
+            log.warning("job %s: lease lost before completion; its writes were rolled back",
+                        self.rec.id)
+            return Outcome(RunStatus.LEASE_LOST)
+        verdict = self.task.classifier.classify(error)
+        return self.settle(verdict, error_line(error), error)
 
     async def _run_async(self) -> Outcome:
         engine = self.app.async_engine.execution_options(**{SQLITE_DEFERRED: True})
-        async with AsyncSession(engine) as session, session.begin():
-            await self.task.fn(self.rec.payload, self.context(session))
+        async with AsyncSession(engine, sync_session_class=HandlerSession) as session, \
+                session.begin():
+            rules: HandlerSession = session.sync_session  # type: ignore[assignment]
+            rules.handler_runs = True
+            self.began = time.monotonic()
+            try:
+                await self.task.fn(self.rec.payload, self.context(session))
+            except BaseException as exc:
+                # SystemExit & co. from the handler's own code fail the attempt;
+                # a cancellation (the task's timeout) is the loop's.
+                if isinstance(exc, Exception | asyncio.CancelledError):
+                    raise
+                raise _aborted(exc) from exc
+            finally:
+                rules.handler_runs = False
+            rules.check_rules()
             steps = self._finish_steps()
             try:
                 stmt, params = next(steps)
@@ -235,9 +295,6 @@ class Execution:
                     stmt, params = steps.send(await session.execute(stmt, params))
             except StopIteration as done:
                 return _not_duplicate(done.value)
-
-    def _finish(self, execute: Callable[..., Any]) -> Outcome:
-        return _not_duplicate(run_steps(self._finish_steps(), execute))
 
     def _finish_steps(self) -> Generator[tuple[Any, dict[str, Any]], Any, Outcome]:
         return finish_steps(self.app.engine.dialect.name, self.dedupe, self.rec,
@@ -308,6 +365,30 @@ def run_steps(steps: Generator[tuple[Any, dict[str, Any]], Any, Outcome],
     except StopIteration as done:
         outcome: Outcome = done.value
         return outcome
+
+
+def call_handler(task: Task, payload: Any, ctx: JobContext,
+                 session: HandlerSession) -> BaseException | None:
+    """Call a sync handler with ``session`` as its ``ctx.session`` (its
+    rules enforced while it runs); what it raised, or None.  A
+    ``BaseException`` of its own (``sys.exit()``) fails the attempt like
+    any error: in an executor thread it would otherwise stop the worker."""
+    session.handler_runs = True
+    try:
+        task.fn(payload, ctx)
+    except Exception as exc:
+        return exc
+    except BaseException as exc:
+        return _aborted(exc)
+    finally:
+        session.handler_runs = False
+    return None
+
+
+def _aborted(exc: BaseException) -> HandlerAbortError:
+    aborted = HandlerAbortError(f"the handler raised {type(exc).__name__}: {exc}"[:500])
+    aborted.__cause__ = exc
+    return aborted
 
 
 def _not_duplicate(outcome: Outcome) -> Outcome:

@@ -10,7 +10,6 @@ and one multi-row attempt insert.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -32,14 +31,14 @@ Checked = tuple[Discard | None, datetime | None]
 
 
 class Starts:
-    def __init__(self, app: Duebox, worker: str, pools: Callable[[], Pools]) -> None:
+    def __init__(self, app: Duebox, worker: str, pools: Pools) -> None:
         self.app = app
         self.worker = worker
         self._seq = itertools.count()
         self._batched: Batched[tuple[JobMessage, float], Started] = Batched(
-            "starting", lambda batch: pools().db(self._start_batch, batch))
+            "starting", lambda batch: pools.db(self._start_batch, batch))
         self._checks: Batched[JobMessage, Checked] = Batched(
-            "checking", lambda batch: pools().db(self._check_batch, batch))
+            "checking", lambda batch: pools.db(self._check_batch, batch))
 
     async def start(self, message: JobMessage, ahead: float) -> Started:
         """Start the message's job (``ahead``: seconds before its due time it

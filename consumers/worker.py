@@ -53,9 +53,7 @@ from duebox.timing import EARLY_HOLD, EXECUTOR_HOLD_MOST, REREAD_LEAD
 
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
-from .group_commit import Executors, group_commit_budget
-from .lane import Lane, Settled
-from .lane_runs import LaneRuns
+from .runner import Runner, Settled
 from .starts import Starts
 from .turns import Turn, Turns
 
@@ -89,11 +87,11 @@ class WorkerStats:
     lease_lost: int = 0
     deferred: int = 0
     grouped: int = 0  # jobs run in a group-commit transaction with others
-    laned: int = 0  # jobs run by the batch lane (consumers/lane.py)
+    laned: int = 0  # jobs run by the batch lane (consumers/runner.py)
     # Of those, jobs the lane locked due itself (sql://): no claim written.
     direct: int = 0
     # Handlers called a second time because their group's transaction was
-    # lost after they ran (consumers/group_commit.py says when that happens).
+    # lost after they ran (consumers/batch.py says when that happens).
     reran: int = 0
     throttled: int = 0  # failures classed as throttled (the relay slows down on them)
     discarded: Counter[str] = field(default_factory=Counter)
@@ -121,32 +119,28 @@ class Worker:
         self.broker = broker or app.broker(self.name, queues=self.queues)
         self._given_broker = broker is not None
         self.concurrency = concurrency or app.settings.concurrency
-        # Replaced by the worker's own thread pools while it runs (see Pools).
-        self.pools = Pools.default()
+        # The worker's thread pools: started by run(), shut down after it.
+        self.pools = Pools()
         self.dedupe = dedupe or SQLDedupeStore()
         self.stats = WorkerStats()
         self.group_commit = group_commit or app.settings.group_commit
-        self.executors = Executors(app, self.name, self.dedupe, lambda: self.pools,
-                                   self.concurrency, self.group_commit, self._grouped,
-                                   lambda rec: self.rereads.call(rec), self._reran)
-        self.starts = Starts(app, self.name, lambda: self.pools)
         reread = functools.partial(still_leased, app)
         self.rereads: Batched[jobstore.JobRecord, bool] = Batched(
             "re-reading", lambda records: self.pools.db(reread, records))
+        # Every job this worker runs goes through the runner: alone or in a
+        # batch, its policy decides (consumers/runner.py).
+        self.runner = Runner(
+            app, self.name, self.broker, self.dedupe, self.pools, self.concurrency,
+            self.group_commit, self, queues=self.queues, reread=self.rereads.call,
+            lane=Runner.lane_enabled(self.broker, app.engine.dialect.name, self.concurrency,
+                                     self.group_commit))
+        self.starts = Starts(app, self.name, self.pools)
         # A broker buffers up to ``prefetch`` unacknowledged messages for
         # this worker; with group commit a few per executor, so a group can
         # form from those that wait while all executors are busy.
         self.prefetch = self.concurrency * (1 + min(3, self.group_commit - 1))
         self._in_hand = 0
         self._turns = Turns()  # handlers of one ordering key start in arrival order
-        # Due deliveries of groupable tasks, run in batches (consumers/lane.py).
-        self.lane = (Lane(self.name, self.broker, LaneRuns(app, self.executors),
-                          lambda: self.pools, self.group_commit,
-                          usual=lambda d: self._spawn(d, None), settle=self._settled,
-                          done=self._left, queues=self.queues, clock=app.clock,
-                          poll=app.settings.poll_interval)
-                     if Lane.enabled(self.broker, app.engine.dialect.name, self.concurrency,
-                                     self.group_commit) else None)
         self._room = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics or process_metrics()
@@ -171,7 +165,7 @@ class Worker:
                 raise ConfigurationError(f"queues: {exc}") from None
         if not await open_broker(self.broker, stop):
             return
-        self.pools = Pools.for_worker(self.concurrency)
+        self.pools.start(self.concurrency)
         # The liveness lock and registry row come before the first lease.
         await asyncio.to_thread(self.heartbeat.register)
         await self._warm_up()
@@ -184,9 +178,9 @@ class Worker:
                  ", ".join(self.queues), redacted(self.broker.url),
                  self.concurrency)
         consumer = asyncio.create_task(self._consume(), name="duebox-consume")
-        # sql://: the lane locks due rows itself while it leads (consumers/lane.py).
-        pulling = (asyncio.create_task(self.lane.pull(), name="duebox-lane-pull")
-                   if self.lane is not None and self.lane.claims is not None else None)
+        # sql://: the lane locks due rows itself while it leads (consumers/runner.py).
+        pulling = (asyncio.create_task(self.runner.pull(), name="duebox-lane-pull")
+                   if self.runner.claims is not None else None)
         stopper = asyncio.create_task(stop.wait())
         beating = asyncio.create_task(self.heartbeat.run(stop), name="duebox-worker-heartbeat")
         try:
@@ -205,18 +199,16 @@ class Worker:
             # Jobs taken in but not started by an executor go back now, not
             # after their leases (a broker's message is acked: the relay
             # publishes the job again).
-            waiting = self.executors.release_waiting()
+            waiting = self.runner.release_waiting()
             if waiting:
                 with contextlib.suppress(DatabaseError):
                     await self.pools.db(self._give_back, waiting)
-            if self.lane is not None:  # due jobs, never started: run now
-                await self.lane.drain()
+            await self.runner.drain()  # due lane jobs, never started: run now
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.heartbeat.stop(beating)
             await self.broker.close()
             self.pools.shutdown()
-            self.pools = Pools.default()
             log.info("worker %s stopped", self.name)
 
     async def _warm_up(self) -> None:
@@ -256,7 +248,7 @@ class Worker:
                         raise
                     self._in_hand += 1
                     self._log.flush()  # counts of errors that stopped a while ago
-                    if self.lane is not None and self.lane.take(delivery, self.app.clock.now()):
+                    if self.runner.take(delivery, self.app.clock.now()):
                         continue
                     turn = None if delivery.message is None else self._turns.take(
                         "" if self.concurrency == 1 else delivery.message.ordering_key())
@@ -277,10 +269,26 @@ class Worker:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _left(self, deliveries: int) -> None:
+    # --- the runner's outcomes (consumers/runner.py, Outcomes) ---------------------------
+
+    def usual(self, delivery: Delivery) -> None:
+        """A delivery the runner will not run: the usual way."""
+        self._spawn(delivery, None)
+
+    def left(self, deliveries: int) -> None:
         """That many deliveries left the worker's hands: room for more."""
         self._in_hand -= deliveries
         self._room.set()
+
+    def room(self) -> None:
+        self._room.set()
+
+    def grouped(self, size: int) -> None:
+        self.stats.grouped += size
+        self.metrics.group_size.labels(self.backend).observe(size)
+
+    def reran(self, handlers: int) -> None:
+        self.stats.reran += handlers
 
     async def _guarded(self, delivery: Delivery, turn: Turn | None = None) -> None:
         try:
@@ -300,7 +308,7 @@ class Worker:
         finally:
             if turn is not None:
                 turn.pass_on()
-            self._left(1)
+            self.left(1)
 
     # --- one delivery ----------------------------------------------------------
 
@@ -434,25 +442,8 @@ class Worker:
                 and rec.expires_at is None and self._real_time)
 
     def wanted(self) -> int:
-        """Deliveries to have in hand (started or claimed, running or waiting
-        for an executor).  With group commit, as many more per executor as
-        it runs in its 50 ms group budget at the handlers' recent pace, at
-        least one and at most ``group_commit``: short handlers get full
-        groups, slow ones wait no longer than a handler each (their leases
-        are renewed meanwhile)."""
-        extra = 0
-        if self.group_commit > 1:
-            pace = self.executors.pace
-            extra = (1 if pace is None
-                     else max(1, min(self.group_commit, int(group_commit_budget() / pace))))
-        return self.concurrency * (1 + extra)
-
-    def _grouped(self, size: int) -> None:
-        self.stats.grouped += size
-        self.metrics.group_size.labels(self.backend).observe(size)
-
-    def _reran(self, handlers: int) -> None:
-        self.stats.reran += handlers
+        """Deliveries to have in hand: see :meth:`Runner.wanted`."""
+        return self.runner.wanted()
 
     def _discard(self, reason: str) -> None:
         self.stats.discarded[reason] += 1
@@ -473,12 +464,12 @@ class Worker:
     async def _execute(self, task: Task, rec: jobstore.JobRecord,
                        leased: datetime | None, early: bool = False) -> None:
         with tracing.attempt_span(rec.task, rec.queue, rec.id, rec.attempt, rec.headers) as span:
-            outcome, started = await self.executors.run(task, rec, leased, early=early)
+            outcome, started = await self.runner.run_leased(task, rec, leased, early=early)
             tracing.outcome(span, outcome.status, None if outcome.failure_class is None
                             else str(outcome.failure_class))
         self._account(rec, outcome, started)
 
-    def _settled(self, batch: Sequence[Settled]) -> None:
+    def settled(self, batch: Sequence[Settled]) -> None:
         """Jobs one batch of the lane ran (deliveries', or due rows it
         locked): succeeded ones are observed together, per queue (two
         histograms and a counter per job, one at a time, were a tenth of
@@ -541,7 +532,7 @@ class Worker:
     def _lane_info(self) -> dict[str, Any]:
         """sql://: whether the batch lane claims due jobs itself right now,
         and how many it ran so (docs/worker.md, "The batch lane")."""
-        claims = self.lane.claims if self.lane is not None else None
+        claims = self.runner.claims
         return {} if claims is None else {"lane_leads": claims.leading,
                                            "direct": self.stats.direct}
 

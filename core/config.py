@@ -41,7 +41,7 @@ class Settings:
     redeliver_after: float = 900.0
     concurrency: int = 8
     # Most jobs a worker runs in one transaction when it has a backlog of
-    # short ones (each in its own savepoint; consumers/group_commit.py); 1
+    # short ones (each in its own savepoint; consumers/batch.py); 1
     # gives every job a transaction of its own.
     group_commit: int = 32
     notify: bool = True

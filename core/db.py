@@ -65,7 +65,7 @@ _MYSQL = ("mysql", "mariadb")
 # on every row (and gap) its index scan passed, not only on the rows it
 # changed, so transactions that touch different jobs block and deadlock each
 # other — and a deadlock rolls a whole group-commit transaction back
-# (consumers/group_commit.py).  At READ COMMITTED only the rows a statement
+# (consumers/batch.py).  At READ COMMITTED only the rows a statement
 # changes or locks stay locked.
 MYSQL_ISOLATION = "READ COMMITTED"
 

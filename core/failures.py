@@ -65,6 +65,22 @@ class Permanent(JobFailure):
     failure_class = FailureClass.PERMANENT
 
 
+class HandlerSessionError(Permanent):
+    """A handler ended the transaction duebox runs it in (``ctx.session``
+    ``commit()``, ``rollback()``, ``close()``, a second ``begin()``, an
+    invalidated connection).  Its writes, the dedupe row and the job's
+    completion must commit together, so duebox ends that transaction: the
+    attempt fails with this, its writes rolled back, and — a bug a retry
+    would repeat — the job goes to the dead-letter queue."""
+
+
+class HandlerAbortError(JobFailure):
+    """A handler raised a ``BaseException`` that is not an ``Exception``
+    (``SystemExit``, ``KeyboardInterrupt`` raised by its own code): in a
+    worker's thread that stops nothing but the handler, so it fails the
+    attempt like any error instead of ending the worker."""
+
+
 class Throttled(JobFailure):
     """The downstream asked to slow down; retry after ``retry_after`` seconds."""
 

@@ -255,7 +255,7 @@ def complete_bound(rec: JobRecord, now: datetime) -> tuple[Update, dict[str, Any
     return _COMPLETE, {**_fence_params(rec), "f_now": now}
 
 
-# Group commit (consumers/group_commit.py): several jobs' completions in one
+# Group commit (consumers/batch.py): several jobs' completions in one
 # transaction.  Their rows are locked first, and the lease checked under the
 # lock, so the multi-row statements below need no per-row fence: nobody can
 # move a locked job on (claims and recovery SKIP LOCKED rows; a cancel waits).

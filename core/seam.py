@@ -61,7 +61,7 @@ class Capabilities:
     seconds of its death (the connection closing, or the owner known dead),
     not after a visibility timeout or a group's session timeout; the
     worker's batch lane, which leaves a message's job unstarted until its
-    batch commits, runs only there (consumers/lane.py).
+    batch commits, runs only there (consumers/runner.py).
     """
 
     name: str

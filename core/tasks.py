@@ -86,7 +86,7 @@ class Task:
     # payload as it may be shown.  Never used when running the job.
     mask: Callable[[Any], Any] | None = None
     # May share a transaction with other short jobs of the worker (group
-    # commit, consumers/group_commit.py); False: always a transaction alone.
+    # commit, consumers/batch.py); False: always a transaction alone.
     group_commit: bool = True
 
     @property
@@ -124,7 +124,8 @@ def check_task_seconds(**durations: object) -> None:
 class JobControl(Protocol):
     """The worker's side of a running job (see :class:`JobContext`)."""
 
-    cancelled: bool
+    @property
+    def cancelled(self) -> bool: ...
 
     def heartbeat(self) -> bool: ...
 

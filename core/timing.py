@@ -67,7 +67,7 @@ EXECUTOR_HOLD_MOST = timedelta(milliseconds=6)
 # due time (it claims rows itself: no broker hop to absorb).
 SQL_HANDOVER_LEAD = timedelta(milliseconds=5)
 
-# The batch lane (consumers/lane.py) holds a delivery that arrives at most
+# The batch lane (consumers/runner.py) holds a delivery that arrives at most
 # LANE_HOLD_MOST before its due time (brokers hand over HANDOVER_LEAD early),
 # then locks its row, version-checked, LANE_LOCK_LEAD before that time and
 # holds the handler to it in the executor thread: one transaction instead of

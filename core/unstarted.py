@@ -1,5 +1,5 @@
 """Jobs run straight from their deliveries, with no start transaction of
-their own: the statements of the worker's batch lane (consumers/lane.py).
+their own: the statements of the worker's batch lane (consumers/batch.py).
 
 A job started the usual way costs two transactions: the version-checked
 start (ENQUEUED → RUNNING, leased, committed) and the handler's (RUNNING →

@@ -279,12 +279,14 @@ def kafka_bootstrap() -> Iterator[str]:
 
 @pytest.fixture
 def roomy_group_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Groups and lane batches as large as what is waiting: a loaded machine
-    must not cut them at the 50 ms group budget (tests of the budget set
-    their own).  ``pytestmark = pytest.mark.usefixtures(...)`` in a file."""
-    from duebox.consumers import group_commit
+    """Batches as large as what is waiting: a loaded machine must not cut
+    them at the 50 ms budget, nor let a handler go as a straggler after
+    20 ms (tests of those set their own).  ``pytestmark =
+    pytest.mark.usefixtures(...)`` in a file."""
+    from duebox.consumers import policy
 
-    monkeypatch.setattr(group_commit, "_BUDGET", 5.0)
+    monkeypatch.setattr(policy, "BUDGET", 5.0)
+    monkeypatch.setattr(policy, "STRAGGLER_AFTER", 5.0)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The batch lane (consumers/lane.py, core/unstarted.py): due deliveries of
+"""The batch lane (consumers/runner.py, consumers/batch.py, core/unstarted.py): due deliveries of
 groupable tasks locked, run and completed in one transaction, with no start
 transaction before it.
 
@@ -33,7 +33,7 @@ from helpers import (
 
 import duebox
 from duebox.brokers.base import BrokerContext, Outgoing
-from duebox.consumers.lane import Lane
+from duebox.consumers.runner import Runner
 from duebox.message import JobMessage
 from duebox.registry import broker_class
 from duebox.tables import job
@@ -51,7 +51,7 @@ def seen_short_handlers(r: Running) -> None:
     usual way).  Call before the first await."""
     for w in r.workers:
         for name in w.app.tasks:
-            w.executors.task_pace[name] = 0.0001
+            w.runner.policy.task_pace[name] = 0.0001
 
 
 def _app(server_url: str, redis_keys: Keys) -> duebox.Duebox:
@@ -75,7 +75,7 @@ async def test_a_backlog_runs_in_the_lane_each_job_once(server_url: str, redis_k
     ids = _schedule_due(app, 120)
     async with Running(app, relays=1, workers=1, concurrency=4) as r:
         seen_short_handlers(r)
-        assert r.workers[0].lane is not None
+        assert r.workers[0].runner.lane
         await r.wait(lambda: all_final(app.engine, ids), timeout=60,
                      what="all 120 jobs to succeed")
     assert r.worker_total("laned") > 0
@@ -208,14 +208,14 @@ async def test_jobs_with_an_ordering_key_keep_the_usual_path(server_url: str,
 def test_the_lane_runs_only_where_it_is_safe(redis_keys: Keys, tmp_path: Any) -> None:
     app = make_app(f"sqlite:///{tmp_path}/d.db", redis_keys.url())
     broker = app.broker("t")
-    assert not Lane.enabled(broker, "sqlite", 8, 32)  # write lock after the read
-    assert not Lane.enabled(broker, "postgresql", 1, 32)  # one line for every delivery
-    assert not Lane.enabled(broker, "postgresql", 8, 1)  # group commit off
-    assert Lane.enabled(broker, "postgresql", 8, 32)
+    assert not Runner.lane_enabled(broker, "sqlite", 8, 32)  # write lock after the read
+    assert not Runner.lane_enabled(broker, "postgresql", 1, 32)  # one line for every delivery
+    assert not Runner.lane_enabled(broker, "postgresql", 8, 1)  # group commit off
+    assert Runner.lane_enabled(broker, "postgresql", 8, 32)
     memory = make_app(f"sqlite:///{tmp_path}/m.db", "memory://lane").broker("t")
-    assert not Lane.enabled(memory, "postgresql", 8, 32)  # no redelivery of the unacked
+    assert not Runner.lane_enabled(memory, "postgresql", 8, 32)  # no redelivery of the unacked
     sqs = make_app(f"sqlite:///{tmp_path}/s.db", "sqs://k:s@127.0.0.1:9?prefix=t").broker("t")
-    assert not Lane.enabled(sqs, "postgresql", 8, 32)  # back only after a visibility timeout
+    assert not Runner.lane_enabled(sqs, "postgresql", 8, 32)  # back only after a visibility timeout
 
 
 def _count(app: duebox.Duebox, state: str) -> int:
@@ -232,7 +232,7 @@ async def test_a_task_not_known_to_be_short_keeps_the_usual_path(
     app = _app(server_url, redis_keys)
     ids = _schedule_due(app, 10)
     async with Running(app, relays=1, workers=1, concurrency=4) as r:
-        r.workers[0].executors.task_pace["effect"] = 60.0  # beyond even the roomy budget
+        r.workers[0].runner.policy.task_pace["effect"] = 60.0  # beyond even the roomy budget
         await r.wait(lambda: all_final(app.engine, ids), timeout=60,
                      what="all 10 slow-task jobs to succeed")
     assert r.worker_total("laned") == 0
@@ -299,7 +299,7 @@ def early_handover(monkeypatch: pytest.MonkeyPatch) -> float:
     default)."""
     import duebox.brokers.redis_mover as mover
     import duebox.brokers.sql as sql
-    import duebox.consumers.lane as lane
+    import duebox.consumers.runner as lane
     monkeypatch.setattr(mover, "MOVE_LEAD_MS", 1500.0)
     monkeypatch.setattr(sql, "_HAND_OVER", timedelta(seconds=1.5))
     monkeypatch.setattr(lane, "LANE_HOLD_MOST", timedelta(seconds=3))
@@ -317,8 +317,8 @@ async def test_a_cancel_committed_while_the_lane_holds_a_delivery_wins(
     ids = [j for j, _ in jobs]
     async with Running(app, relays=1, workers=1, concurrency=4) as r:
         seen_short_handlers(r)
-        lane = r.workers[0].lane
-        assert lane is not None
+        lane = r.workers[0].runner
+        assert lane.lane
         await r.wait(lambda: len(lane) == 6, timeout=30,
                      what="the lane to hold all 6 deliveries")
         cancelled = sorted(ids[::2])
@@ -343,11 +343,13 @@ async def test_a_worker_stopped_while_holding_runs_its_deliveries_at_their_due_t
     handler held to its due time, not dropped for the broker to redeliver."""
     app = _app(server_url, redis_keys)
     began = _timed_task(app)
-    jobs = _schedule_ahead(app, 3, early_handover + 0.5)
     async with Running(app, relays=1, workers=1, concurrency=4) as r:
         seen_short_handlers(r)
-        lane = r.workers[0].lane
-        assert lane is not None
+        lane = r.workers[0].runner
+        assert lane.lane
+        # Scheduled once the relay and worker run (their start on a loaded
+        # machine must not eat the window in which the lane holds them).
+        jobs = _schedule_ahead(app, 3, early_handover + 1.0)
         await r.wait(lambda: len(lane) == 3, timeout=30, what="the lane to hold all 3")
     # The worker has stopped: each ran in its drain, none early.
     for job_id, due in jobs:

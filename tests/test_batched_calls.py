@@ -14,7 +14,7 @@ from duebox.consumers.execution import Pools
 
 
 def in_thread(run: Callable[[list[int]], list[int]]) -> Callable[[list[int]], Awaitable[list[int]]]:
-    return lambda items: Pools.default().db(run, items)
+    return lambda items: Pools().db(run, items)
 
 
 async def test_calls_made_while_one_runs_are_served_together() -> None:

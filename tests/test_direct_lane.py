@@ -1,5 +1,5 @@
-"""``sql://``: the batch lane locks due rows itself (consumers/lane.py
-``pull``, consumers/lane_runs.py ``run_due``, core/unstarted.py
+"""``sql://``: the batch lane locks due rows itself (consumers/runner.py
+``pull``, consumers/batch.py ``Kind.DUE``, core/unstarted.py
 ``lock_due``): a job it runs goes SCHEDULED → SUCCEEDED in the transaction
 that runs it, with no claim written.
 
@@ -46,7 +46,7 @@ def _known_short(r: Running, *tasks: str) -> None:
     takes a task's jobs only once it knows them to be short)."""
     for w in r.workers:
         for name in tasks:
-            w.executors.task_pace[name] = 0.0001
+            w.runner.policy.task_pace[name] = 0.0001
 
 
 async def _leading(r: Running, app: duebox.Duebox) -> None:
@@ -147,7 +147,7 @@ async def test_jobs_of_other_tasks_are_leased_and_run_the_usual_way(server_url: 
     async with Running(app, relays=1, workers=1, concurrency=4,
                        worker_kw={"queues": ["default", "other"]}) as r:
         _known_short(r, "effect")
-        r.workers[0].executors.task_pace["noop"] = 60.0  # far beyond the budget
+        r.workers[0].runner.policy.task_pace["noop"] = 60.0  # far beyond the budget
         await r.wait(lambda: all_final(app.engine, short + slow + keyed), timeout=60,
                      what="all 85 jobs to succeed")
     assert r.worker_total("direct") > 0
@@ -248,7 +248,7 @@ async def test_the_lane_hands_back_when_most_due_jobs_are_not_its_own(
     async with Running(app, relays=1, workers=1, concurrency=4,
                        worker_kw={"queues": ["default", "other"]}) as r:
         _known_short(r, "effect")
-        r.workers[0].executors.task_pace["noop"] = 60.0
+        r.workers[0].runner.policy.task_pace["noop"] = 60.0
         claims = r.workers[0].broker.lane_claims()
         assert claims is not None
         turns: list[bool] = []

@@ -1,5 +1,5 @@
 """Group commit: a backlog of short jobs run several per transaction, each
-handler in its own savepoint (consumers/group_commit.py).
+handler in its own savepoint (consumers/batch.py, consumers/runner.py).
 
 Every test builds a backlog (jobs due before the worker starts, or queued
 behind a handler that blocks the worker's only executor) so that groups
@@ -31,7 +31,7 @@ from helpers import (
 )
 
 import duebox
-from duebox.consumers import group_commit
+from duebox.consumers import batch, policy
 from duebox.errors import DatabaseError
 from duebox.tables import processed
 from duebox.tasks import RetryPolicy
@@ -47,7 +47,7 @@ def small_groups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     """Groups from two waiting jobs on, so the tests of what a group does can
     form one with a few jobs (the test of the threshold keeps its own)."""
     if "keeps_group_least" not in request.keywords:
-        monkeypatch.setattr(group_commit, "_GROUP_LEAST", 2)
+        monkeypatch.setattr(policy, "GROUP_LEAST", 2)
 
 
 def schedule_due(app: duebox.Duebox, jobs: list[tuple[str, Any]]) -> list[uuid.UUID]:
@@ -68,7 +68,7 @@ def seen_short_handlers(r: Running) -> None:
     per executor, until it knows its handlers' pace).  Call before the first
     await, before the worker claims anything."""
     for w in r.workers:
-        w.executors.pace = 0.0001
+        w.runner.policy.pace = 0.0001
 
 
 class Gate:
@@ -134,7 +134,7 @@ async def test_fewer_waiting_jobs_than_the_group_threshold_run_alone(
     """Behind one busy executor, five jobs wait (fewer than _GROUP_LEAST):
     each runs alone, in its own transaction, since a group that small costs
     more than its jobs alone; with six or more waiting they are grouped."""
-    assert group_commit._GROUP_LEAST == 6
+    assert policy.GROUP_LEAST == 6
     app = make_app(database_url)
     gate = Gate(app)
     try:
@@ -143,7 +143,7 @@ async def test_fewer_waiting_jobs_than_the_group_threshold_run_alone(
                            worker_kw={"group_commit": 16}) as r:
             seen_short_handlers(r)
             await gate.wait_entered()
-            await r.wait(lambda: sum(len(w.executors._pending) for w in r.workers) == 5,
+            await r.wait(lambda: sum(len(w.runner._leased) for w in r.workers) == 5,
                          timeout=10, what="five jobs to wait behind the gate")
             gate.release.set()
             await r.wait(lambda: all_final(app.engine, [gate_id, *few]), timeout=30,
@@ -153,7 +153,7 @@ async def test_fewer_waiting_jobs_than_the_group_threshold_run_alone(
             gate.release.clear()
             gate.entered.clear()
             await gate.wait_entered()
-            await r.wait(lambda: sum(len(w.executors._pending) for w in r.workers) == 6,
+            await r.wait(lambda: sum(len(w.runner._leased) for w in r.workers) == 6,
                          timeout=10, what="six jobs to wait behind the gate")
             gate.release.set()
             await r.wait(lambda: all_final(app.engine, many), timeout=30,
@@ -265,13 +265,13 @@ async def test_a_job_cancelled_while_queued_behind_a_busy_worker_never_runs(
 
 async def test_a_slow_handler_gives_back_the_jobs_its_group_did_not_start(
         database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(group_commit, "_BUDGET", 0.05)
+    monkeypatch.setattr(policy, "BUDGET", 0.05)
     app = make_app(database_url)
     gate = Gate(app)
 
     @app.task("slow")
     def slow(payload: Any, ctx: duebox.JobContext) -> None:
-        threading.Event().wait(4 * group_commit._BUDGET)
+        threading.Event().wait(4 * policy.BUDGET)
         ctx.session.execute(effects.insert().values(effect_values(ctx)))
 
     try:
@@ -322,7 +322,7 @@ async def test_a_checkpoint_survives_its_handler_failing_in_a_group(database_url
 async def test_a_group_that_fails_as_a_whole_runs_each_job_alone(
         database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     app = make_app(database_url)
-    real = group_commit.jobstore.complete_locked
+    real = batch.jobstore.complete_locked
     failures = []
 
     def fail_once(*args: Any, **kw: Any) -> None:
@@ -331,7 +331,7 @@ async def test_a_group_that_fails_as_a_whole_runs_each_job_alone(
             raise DatabaseError("complete: connection lost (injected)")
         real(*args, **kw)
 
-    monkeypatch.setattr(group_commit.jobstore, "complete_locked", fail_once)
+    monkeypatch.setattr(batch.jobstore, "complete_locked", fail_once)
     try:
         ids = schedule_backlog(app, 20)
         async with Running(app, relays=0, workers=1, concurrency=1,

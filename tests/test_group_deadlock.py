@@ -45,7 +45,7 @@ from helpers import (
 )
 
 import duebox
-from duebox.consumers import Worker, group_commit
+from duebox.consumers import Worker, policy
 from duebox.tasks import RetryPolicy
 
 shared_metadata = sa.MetaData()
@@ -66,8 +66,8 @@ def server_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
 def groups_of_the_backlog(monkeypatch: pytest.MonkeyPatch) -> None:
     """Groups from two waiting jobs on, and no budget cut on a loaded machine:
     each worker's four waiting jobs make exactly one group."""
-    monkeypatch.setattr(group_commit, "_BUDGET", 30.0)
-    monkeypatch.setattr(group_commit, "_GROUP_LEAST", 2)
+    monkeypatch.setattr(policy, "BUDGET", 30.0)
+    monkeypatch.setattr(policy, "GROUP_LEAST", 2)
 
 
 class Scene:
@@ -151,13 +151,13 @@ async def test_a_deadlock_between_two_groups_repeats_no_handler_it_need_not(
     r = Running(app, relays=0, workers=0)
     r.workers = [Worker(app, queues=[q], concurrency=1, group_commit=8) for q in ("a", "b")]
     for w in r.workers:
-        w.executors.pace = 0.0001  # takes in its whole queue at once (see test_group_commit)
+        w.runner.policy.pace = 0.0001  # takes in its whole queue at once (see test_group_commit)
     try:
         async with r:
             for q in ("a", "b"):
                 assert await asyncio.to_thread(scene.entered[q].wait, 60), f"gate {q} never ran"
             # Each worker's four other jobs are in hand, waiting for its executor.
-            await r.wait(lambda: all(len(w.executors._pending) == 4 for w in r.workers),
+            await r.wait(lambda: all(len(w.runner._leased) == 4 for w in r.workers),
                          timeout=60, what="both workers to hold their four waiting jobs")
             scene.release.set()
             await r.wait(lambda: all_final(app.engine, every), timeout=60,
