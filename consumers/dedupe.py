@@ -18,26 +18,29 @@ Stores:
 
 ``@duebox.dedupe(store)`` wraps a handler you call from your own pika, boto3,
 aiokafka or redis-py loop with that driver's native message; see
-:func:`outbox_id_of` for what it recognises.
+:func:`message_ref_of` for what it recognises.  Before anything else it checks
+the message as duebox's worker does (core/message.py: the body's size and
+depth, then its id, version and task, and the ``duebox-*`` headers against
+it): anyone who can write to the queue can send anything, and what is not a
+duebox message raises :class:`MessageDecodeError`, the one error a loop
+acks or dead-letters and goes on after (docs/own-consumers.md).
 
 When an :class:`SQLDedupeStore`'s engine is the job table's database, the
 decorator also **completes the job** (docs/own-consumers.md): in the same
 transaction as the dedupe row and the handler's writes, the job becomes
 ``SUCCEEDED``, fenced on the message's id, version and task
 (core/own_queues.py).  A copy the job has moved on from (another version, a
-cancelled or finished job, a forged task) is answered :data:`DUPLICATE`
-without running the handler and leaves no dedupe row; a message handed over
-before its due time raises :class:`NotDueError` and leaves nothing either.
+cancelled or finished job, a forged task, no version or task at all) is
+answered :data:`DUPLICATE` without running the handler and leaves no dedupe
+row; a message handed over before its due time on the database server's
+clock raises :class:`NotDueError` and leaves nothing either.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import json
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import String, bindparam, delete, func, literal, select
@@ -47,8 +50,8 @@ from sqlalchemy.dialects import postgresql
 from duebox import jobstore
 from duebox.clock import utcnow
 from duebox.db import create_async_engine_for, insert_if_absent
-from duebox.errors import MessageDecodeError, NotDueError
-from duebox.message import HEADER_ID, HEADER_TASK, HEADER_VERSION
+from duebox.errors import NotDueError
+from duebox.message import HEADER_ID, HEADER_TASK, HEADER_VERSION, MessageRef
 from duebox.own_queues import Completion, Outcome, complete_steps
 from duebox.producer import drive_sync
 from duebox.tables import job, processed
@@ -78,11 +81,13 @@ class _Undo(Exception):
         self.job_id = job_id
 
 
-def _answer(undo: _Undo, now: datetime) -> Any:
+def _answer(undo: _Undo) -> Any:
     """What the handler's caller gets for a message that did not run."""
-    if undo.outcome.completion is Completion.NOT_DUE and undo.outcome.due_at is not None:
-        due = undo.outcome.due_at
-        raise NotDueError(undo.job_id, due.isoformat(), (due - now).total_seconds())
+    outcome = undo.outcome
+    if (outcome.completion is Completion.NOT_DUE and outcome.due_at is not None
+            and outcome.now is not None):
+        due = outcome.due_at
+        raise NotDueError(undo.job_id, due.isoformat(), (due - outcome.now).total_seconds())
     return DUPLICATE
 
 
@@ -215,58 +220,53 @@ class SQLDedupeStore:
         if outcome.completion in (Completion.MOVED_ON, Completion.NOT_DUE):
             raise _Undo(outcome, message_id)
 
-    def run(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any,
-            ref: JobRef | None = None) -> Any:
+    def run(self, ref: MessageRef, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         from sqlalchemy.orm import Session
 
-        now = utcnow()
+        now, message_id = utcnow(), str(ref.job_id)
         try:
             with Session(self._need_engine()) as session, session.begin():
                 dialect = session.get_bind().dialect.name
                 first: Any = session.execute(self.claim_stmt(dialect, message_id, now))
                 if first.rowcount != 1:
                     return DUPLICATE
-                if ref is not None and self._completes(session.connection()):
-                    self._checked(drive_sync(session, complete_steps(*ref, now)), message_id)
+                if self._completes(session.connection()):
+                    self._checked(drive_sync(session, complete_steps(ref, dialect, now)),
+                                  message_id)
                 return fn(*args, session=session, **kwargs)
         except _Undo as undo:
-            return _answer(undo, now)
+            return _answer(undo)
 
-    async def arun(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any,
-                   ref: JobRef | None = None) -> Any:
+    async def arun(self, ref: MessageRef, fn: Callable[..., Any], args: Any, kwargs: Any
+                   ) -> Any:
         from sqlalchemy.ext.asyncio import AsyncSession
 
         from duebox.producer import drive
 
         if self._async_engine is None:
             self._async_engine = create_async_engine_for(self._need_engine().url)
-        now = utcnow()
+        now, message_id = utcnow(), str(ref.job_id)
         try:
             async with AsyncSession(self._async_engine) as session, session.begin():
                 dialect = session.get_bind().dialect.name
                 first: Any = await session.execute(self.claim_stmt(dialect, message_id, now))
                 if first.rowcount != 1:
                     return DUPLICATE
-                if ref is not None and self.complete is None:
+                if self.complete is None:
                     conn = await session.connection()
                     await conn.run_sync(self._completes)
-                if ref is not None and self.complete:
-                    pending = drive(session, complete_steps(*ref, now))
+                if self.complete:
+                    pending = drive(session, complete_steps(ref, dialect, now))
                     assert not isinstance(pending, Outcome)  # an AsyncSession: a coroutine
                     self._checked(await pending, message_id)
                 return await fn(*args, session=session, **kwargs)
         except _Undo as undo:
-            return _answer(undo, now)
+            return _answer(undo)
 
     async def aclose(self) -> None:
         if self._async_engine is not None:
             await self._async_engine.dispose()
             self._async_engine = None
-
-
-# What a message says about its job: id, version and task (None where the
-# message names none).
-JobRef = tuple[uuid.UUID, int, "str | None"]
 
 
 class RedisDedupeStore:
@@ -287,9 +287,8 @@ class RedisDedupeStore:
     def _key(self, message_id: str) -> str:
         return f"{self.prefix}{self.consumer}:{message_id}"
 
-    def run(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any,
-            ref: JobRef | None = None) -> Any:
-        key = self._key(message_id)
+    def run(self, ref: MessageRef, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        key = self._key(str(ref.job_id))
         if not self.client.set(key, "processing", nx=True, ex=self.processing_ttl):
             return DUPLICATE
         try:
@@ -300,9 +299,9 @@ class RedisDedupeStore:
         self.client.set(key, "done", ex=self.ttl)
         return result
 
-    async def arun(self, message_id: str, fn: Callable[..., Any], args: Any, kwargs: Any,
-                   ref: JobRef | None = None) -> Any:
-        key = self._key(message_id)
+    async def arun(self, ref: MessageRef, fn: Callable[..., Any], args: Any, kwargs: Any
+                   ) -> Any:
+        key = self._key(str(ref.job_id))
         if not await self.client.set(key, "processing", nx=True, ex=self.processing_ttl):
             return DUPLICATE
         try:
@@ -317,25 +316,24 @@ class RedisDedupeStore:
 def dedupe(store: SQLDedupeStore | RedisDedupeStore) -> Callable[[F], F]:
     """Skip messages whose outbox id ``store`` has seen; works for sync and
     async handlers.  A duplicate returns :data:`DUPLICATE` without calling the
-    handler; a message with no outbox id raises :class:`MessageDecodeError`.
-    With an :class:`SQLDedupeStore` on the job table's database it also
-    completes the job (see the module notes)."""
+    handler; a message that is not a duebox message (no outbox id, a body
+    that does not decode, headers that disagree with it) raises
+    :class:`MessageDecodeError` and changes nothing.  With an
+    :class:`SQLDedupeStore` on the job table's database it also completes the
+    job (see the module notes)."""
 
     def wrap(fn: F) -> F:
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def awrapper(*args: Any, **kwargs: Any) -> Any:
-                found = (*args, *kwargs.values())
-                message_id = outbox_id_of(*found)
-                return await store.arun(message_id, fn, args, kwargs, _ref(message_id, found))
+                ref = message_ref_of(*args, *kwargs.values())
+                return await store.arun(ref, fn, args, kwargs)
 
             return awrapper  # type: ignore[return-value]
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            found = (*args, *kwargs.values())
-            message_id = outbox_id_of(*found)
-            return store.run(message_id, fn, args, kwargs, _ref(message_id, found))
+            return store.run(message_ref_of(*args, *kwargs.values()), fn, args, kwargs)
 
         return wrapper  # type: ignore[return-value]
 
@@ -343,108 +341,102 @@ def dedupe(store: SQLDedupeStore | RedisDedupeStore) -> Callable[[F], F]:
 
 
 def outbox_id_of(*candidates: Any) -> str:
-    """Find the outbox id in whatever a driver handed over.
+    """The outbox id of the message in ``candidates`` (:func:`message_ref_of`)."""
+    return str(message_ref_of(*candidates).job_id)
+
+
+def message_ref_of(*candidates: Any) -> MessageRef:
+    """What the message among whatever a driver handed over says about its
+    job, checked as the worker checks a message (:meth:`MessageRef.of`).
 
     Recognised, in each argument: pika ``BasicProperties`` (``.headers``) and
     the body bytes; an SQS message dict (``MessageAttributes``, ``Body``); an
     aiokafka ``ConsumerRecord`` (``.headers`` pairs, ``.value``); a Redis
-    stream entry ``(entry_id, fields)`` or its fields; a plain mapping with
-    ``duebox-id``, a ``headers`` mapping, or a duebox message body.
+    stream entry ``(entry_id, fields)`` or its fields (``body``); a plain
+    mapping with ``duebox-id`` (and ``duebox-version``, ``duebox-task``), a
+    ``headers`` mapping, or a duebox message body.  The first body found is
+    the message's; bytes or text among the arguments are a body.
     """
+    found = _Found()
     for candidate in candidates:
-        found = _field_in(candidate, 0, HEADER_ID, "id")
-        if found:
-            return found
-    raise MessageDecodeError(
-        "duebox-id", "the message carries no outbox id (not a duebox message?)",
-        candidates[0] if len(candidates) == 1 else candidates,
-    )
+        found.walk(candidate, 0)
+    return MessageRef.of(found.headers, found.body)
 
 
-def _text(value: Any) -> str | None:
-    if isinstance(value, bytes):
-        try:
-            return value.decode()
-        except UnicodeDecodeError:
-            return None
-    return value if isinstance(value, str) else None
+_NAMES = (HEADER_ID, HEADER_VERSION, HEADER_TASK)
+# Where a driver's message keeps its body: an SQS dict, aiokafka's record, a
+# Redis entry's fields, a mapping of your own.
+_BODY_KEYS = ("Body", "body", b"body", "value")
 
 
-def _ref(message_id: str, candidates: Sequence[Any]) -> JobRef | None:
-    """The job a message names, to complete it: its id, version and task.
-    None when the id is not a job id or the message carries no version (a
-    message from elsewhere: nothing to complete)."""
-    try:
-        job_id = uuid.UUID(message_id)
-    except ValueError:
-        return None
-    version = task = None
-    for candidate in candidates:
-        version = version or _field_in(candidate, 0, HEADER_VERSION, "version")
-        task = task or _field_in(candidate, 0, HEADER_TASK, "task")
-    if version is None or not version.isdigit() or not 0 < int(version) < 2**31:
-        return None
-    return job_id, int(version), task
+class _Found:
+    """The ``duebox-*`` headers and the body gathered from a driver's message."""
 
+    def __init__(self) -> None:
+        self.headers: dict[str, object] = {}
+        self.body: bytes | str | Mapping[str, Any] | None = None
 
-def _from_body(body: Any, key: str = "id") -> str | None:
-    text = _text(body)
-    if not text or not text.lstrip().startswith("{"):
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    if isinstance(data, dict) and str(data.get("format", "")).startswith("duebox/"):
-        value = data.get(key)
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) \
-            else _text(value)
-    return None
+    def header(self, name: str, value: object) -> None:
+        if value is not None:
+            self.headers.setdefault(name, value)
 
-
-def _field_in(obj: Any, depth: int, header: str, key: str) -> str | None:
-    """The ``header`` (``duebox-id`` ...) of a driver's message, else the
-    body's ``key`` (``id`` ...)."""
-    if depth > 3 or obj is None:
-        return None
-    if isinstance(obj, bytes | str):
-        return _from_body(obj, key)
-    if isinstance(obj, Mapping):
-        return _field_in_mapping(obj, depth, header, key)
-    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], Mapping):
-        return _field_in_mapping(obj[1], depth, header, key)  # a Redis stream entry
-    headers = getattr(obj, "headers", None)
-    if headers is not None:  # pika BasicProperties, aiokafka ConsumerRecord
-        if isinstance(headers, Mapping):
-            found = _text(headers.get(header))
+    def walk(self, obj: Any, depth: int) -> None:
+        if depth > 3 or obj is None:
+            return
+        if isinstance(obj, bytes | bytearray | memoryview | str):
+            if self.body is None:
+                self.body = obj if isinstance(obj, str) else bytes(obj)
+        elif isinstance(obj, Mapping):
+            self._mapping(obj, depth)
+        elif isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], Mapping):
+            self._mapping(obj[1], depth)  # a Redis stream entry
         else:
-            found = next((_text(v) for k, v in headers if _text(k) == header), None)
-        if found:
-            return found
-    for attr in ("value", "body"):
-        found = _field_in(getattr(obj, attr, None), depth + 1, header, key)
-        if found:
-            return found
-    return None
+            headers = getattr(obj, "headers", None)  # pika BasicProperties, aiokafka record
+            if isinstance(headers, Mapping):
+                self._headers(headers)
+            elif headers is not None:
+                self._headers(_pairs(headers))
+            for attr in ("value", "body"):
+                self.walk(getattr(obj, attr, None), depth + 1)
+
+    def _headers(self, m: Mapping[Any, Any]) -> None:
+        for name in _NAMES:
+            self.header(name, m.get(name, m.get(name.encode())))
+
+    def _mapping(self, m: Mapping[Any, Any], depth: int) -> None:
+        self._headers(m)
+        attrs = m.get("MessageAttributes")  # SQS
+        if isinstance(attrs, Mapping):
+            for name in _NAMES:
+                attr = attrs.get(name)
+                if isinstance(attr, Mapping):
+                    self.header(name, attr.get("StringValue", attr.get("BinaryValue")))
+        if isinstance(m.get("format"), str) and m["format"].startswith("duebox/"):
+            if self.body is None:  # an envelope parsed already (its headers are the job's)
+                self.body = m
+            return
+        headers = m.get("headers")
+        if isinstance(headers, Mapping):
+            self._headers(headers)
+        for key in _BODY_KEYS:
+            if key in m:
+                self.walk(m[key], depth + 1)
 
 
-def _field_in_mapping(m: Mapping[Any, Any], depth: int, header: str, key: str) -> str | None:
-    for name in (header, header.encode()):
-        found = _text(m.get(name))
-        if found:
-            return found
-    attrs = m.get("MessageAttributes")  # SQS
-    if isinstance(attrs, Mapping) and isinstance(attrs.get(header), Mapping):
-        found = _text(attrs[header].get("StringValue"))
-        if found:
-            return found
-    for name in ("headers", "Body", "body", b"body", "value"):
-        if name in m:
-            found = _field_in(m[name], depth + 1, header, key)
-            if found:
-                return found
-    if str(m.get("format", "")).startswith("duebox/"):
-        value = m.get(key)
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) \
-            else _text(value)
-    return None
+def _pairs(headers: Any) -> dict[str, object]:
+    """Header pairs (aiokafka's ``[(name, bytes)]``) as a mapping: the first
+    value of each name."""
+    found: dict[str, object] = {}
+    try:
+        pairs = list(headers)
+    except TypeError:
+        return found
+    for pair in pairs:
+        if isinstance(pair, tuple) and len(pair) == 2:
+            name: object = pair[0]
+            value: object = pair[1]
+            if isinstance(name, bytes):
+                name = name.decode("utf-8", "replace")
+            if isinstance(name, str):
+                found.setdefault(name, value)
+    return found

@@ -396,7 +396,8 @@ class Duebox:
         self, session: Target, job_id: uuid.UUID | str, *, operator: str | None = None,
         reason: str | None = None,
     ) -> bool | Awaitable[bool]:
-        """Cancel a job and bump its version; True if it was active.
+        """Cancel a job and bump its version; True if it was active (or
+        DELIVERED to your own consumer and not yet completed by it).
 
         A message already handed to a broker for it will be discarded by the
         worker's version check.  With ``operator`` (and then a ``reason``,

@@ -24,6 +24,7 @@ import itertools
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
@@ -32,6 +33,7 @@ from typing import Any
 from .errors import MessageDecodeError
 from .states import Discard
 from .tracing import TRACE_HEADERS
+from .values import text_problem
 
 FORMAT = "duebox/1"
 
@@ -60,6 +62,12 @@ def _json(value: Any) -> str:
     return "".join(_C_ENCODE(value, 0))
 
 MAX_JSON_DEPTH = 200
+# The job table's version column is a 32-bit integer: a larger version names
+# no job, and as a query parameter it failed the batch lane's lock query for
+# its whole batch (NumericValueOutOfRange).
+VERSION_MAX = 2**31 - 1
+# The job table's task column; @app.task refuses longer names (core/tasks.py).
+TASK_NAME_MAX = 200
 PAYLOAD_MAX_DEPTH = MAX_JSON_DEPTH - 1  # the envelope object is the first level
 # A JSON column read from the database (a payload, a checkpoint) may nest this
 # deep; a row nested deeper (written by hand) reads as UndecodableJSON.  Far
@@ -296,21 +304,14 @@ class JobMessage:
         pack's, brokers/amqp_pack.py), checked as :meth:`decode` checks it."""
         if data.get("format") != FORMAT:
             raise MessageDecodeError("format", f"must be {FORMAT!r}", data.get("format"))
-        try:
-            job_id = uuid.UUID(str(data["id"]))
-        except (KeyError, ValueError):
-            raise MessageDecodeError(
-                "id", "must be the job's outbox UUID", data.get("id")
-            ) from None
-        version = data.get("version")
+        if "id" not in data:
+            raise MessageDecodeError("id", "must be the job's outbox UUID", None)
+        job_id = checked_id("id", data["id"])
+        version = checked_version("version", data.get("version"))
         attempt = data.get("attempt")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise MessageDecodeError("version", "must be an integer >= 1", version)
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
             raise MessageDecodeError("attempt", "must be an integer >= 0", attempt)
-        task = data.get("task")
-        if not isinstance(task, str) or not task:
-            raise MessageDecodeError("task", "must be a non-empty string", task)
+        task = checked_task("task", data.get("task"))
         queue = data.get("queue")
         if not isinstance(queue, str) or not queue:
             raise MessageDecodeError("queue", "must be a non-empty string", queue)
@@ -335,3 +336,99 @@ class JobMessage:
             payload=data.get("payload"),
             headers=headers,
         )
+
+
+# --- the fields, checked one by one: the body's and the headers' ------------------------
+
+
+def checked_id(field: str, value: object) -> uuid.UUID:
+    """The job's outbox id: a UUID, in any of its spellings."""
+    try:
+        return uuid.UUID(value if isinstance(value, str) else str(value))
+    except ValueError:
+        raise MessageDecodeError(field, "must be the job's outbox UUID", value) from None
+
+
+def checked_version(field: str, value: object) -> int:
+    """A job version: an integer the job table's column can hold."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= VERSION_MAX:
+        raise MessageDecodeError(field, f"must be an integer from 1 to {VERSION_MAX}", value)
+    return value
+
+
+def checked_task(field: str, value: object) -> str:
+    """A task name as ``@app.task`` accepts one: anything else names no task
+    and cannot even be a query parameter (NUL on PostgreSQL)."""
+    if not isinstance(value, str) or not value or len(value) > TASK_NAME_MAX:
+        raise MessageDecodeError(field, f"must be a task name: a non-empty string of at most "
+                                 f"{TASK_NAME_MAX} characters", value)
+    if (problem := text_problem(value)) is not None:
+        raise MessageDecodeError(field, problem, value)
+    return value
+
+
+# Decimal digits in ASCII only: str.isdigit() also takes '²' and '٣', which
+# int() refuses or reads as another number.
+_DIGITS = re.compile(r"[0-9]{1,12}")
+
+
+def _header_text(field: str, value: object) -> str:
+    """A header's value as text: brokers carry str or UTF-8 bytes (an AMQP
+    header may also be a number)."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise MessageDecodeError(field, "must be UTF-8 text", value) from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise MessageDecodeError(field, "must be text", value)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class MessageRef:
+    """What a message handed to ``@duebox.dedupe`` says about its job, checked:
+    the id to deduplicate on, and the version and task that must match the
+    job's (None where the message names none: a message of your own that
+    carries only a ``duebox-id``)."""
+
+    job_id: uuid.UUID
+    version: int | None
+    task: str | None
+
+    @classmethod
+    def of(cls, headers: Mapping[str, object], body: bytes | str | Mapping[str, Any] | None,
+           ) -> MessageRef:
+        """From a message's ``duebox-*`` headers and its body (raw, or an
+        envelope already parsed), or :class:`MessageDecodeError` naming the
+        field.  A body must be a duebox message, decoded and bounded as the
+        worker decodes it (:meth:`JobMessage.decode`), and headers must agree
+        with it: a forged header beside a real body would fence the job with
+        one job and hand the handler another's payload."""
+        said: dict[str, Any] = {}
+        for name, check in ((HEADER_ID, checked_id), (HEADER_VERSION, _header_version),
+                            (HEADER_TASK, checked_task)):
+            if headers.get(name) is not None:
+                said[name] = check(name, _header_text(name, headers[name]))
+        if body is None:
+            if HEADER_ID not in said:
+                raise MessageDecodeError(HEADER_ID, "the message carries no outbox id (not a "
+                                         "duebox message?)", dict(headers) or None)
+            return cls(said[HEADER_ID], said.get(HEADER_VERSION), said.get(HEADER_TASK))
+        msg = (JobMessage.from_data(dict(body)) if isinstance(body, Mapping)
+               else JobMessage.decode(body))
+        for name, key, value in ((HEADER_ID, "id", msg.job_id),
+                                 (HEADER_VERSION, "version", msg.version),
+                                 (HEADER_TASK, "task", msg.task)):
+            if name in said and said[name] != value:
+                raise MessageDecodeError(name, f"must agree with the body's {key} ({value})",
+                                         headers[name])
+        return cls(msg.job_id, msg.version, msg.task)
+
+
+def _header_version(field: str, text: str) -> int:
+    if not _DIGITS.fullmatch(text):
+        raise MessageDecodeError(field, f"must be an integer from 1 to {VERSION_MAX}", text)
+    return checked_version(field, int(text))

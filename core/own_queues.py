@@ -10,21 +10,22 @@ the health report.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import ColumnElement, case, func, literal, select, update
 
+from .clock import as_utc, server_time_after
 from .errors import ConfigurationError
 from .registry import broker_class, check_queue_name
 from .states import STARTABLE_STATES, JobState
 from .tables import job
 
 if TYPE_CHECKING:
+    from .message import MessageRef
     from .producer import Steps
 
 FIELD = "own_consumer_queues"
@@ -111,27 +112,35 @@ class Completion(StrEnum):
 class Outcome:
     completion: Completion
     due_at: datetime | None = None
+    now: datetime | None = None  # NOT_DUE: the clock's reading the due time was compared with
 
 
-def complete_steps(job_id: uuid.UUID, version: int, task: str | None, now: datetime
-                   ) -> Steps[Outcome]:
-    """The job → SUCCEEDED, fenced: this ``version`` (and ``task``, when the
-    message names one), one of :data:`COMPLETABLE_STATES`, due.  A miss
-    reads the row once to say why."""
-    fence = [job.c.id == job_id, job.c.version == version,
+def complete_steps(ref: MessageRef, dialect: str, now: datetime) -> Steps[Outcome]:
+    """The job ``ref`` names → SUCCEEDED, fenced: its version and task (a
+    message naming no version or task matches no job), one of
+    :data:`COMPLETABLE_STATES`, due.  Due on the database server's clock,
+    read in the statement as the worker and the relay read it
+    (core/clock.py): a consumer host whose clock runs fast must not run a
+    job early.  ``now``: the time without a server (SQLite).  A miss reads
+    the row once to say why."""
+    if ref.version is None or ref.task is None:
+        exists = yield select(job.c.id).where(job.c.id == ref.job_id)
+        return Outcome(Completion.MOVED_ON if exists.first() is not None else Completion.NOT_A_JOB)
+    server = server_time_after(dialect, timedelta(0))
+    clock, params = server if server is not None else (literal(now, job.c.due_at.type), {})
+    fence = [job.c.id == ref.job_id, job.c.version == ref.version, job.c.task == ref.task,
              job.c.state.in_(sorted(COMPLETABLE_STATES))]
-    if task is not None:
-        fence.append(job.c.task == task)
-    done = yield update(job).where(*fence, job.c.due_at <= now).values(
-        state=JobState.SUCCEEDED, finished_at=now, started_at=func.coalesce(job.c.started_at, now),
-        lease_owner=None, lease_until=None, updated_at=now)
+    done = yield update(job).where(*fence, job.c.due_at <= clock).values(
+        state=JobState.SUCCEEDED, finished_at=clock, lease_owner=None, lease_until=None,
+        started_at=func.coalesce(job.c.started_at, clock), updated_at=clock), params
     if done.rowcount == 1:
         return Outcome(Completion.DONE)
-    found = yield select(job.c.due_at).where(*fence)
-    row = found.first()
+    found = yield select(job.c.due_at, clock).where(*fence), params
+    row: Any = found.first()
     if row is not None:
-        return Outcome(Completion.NOT_DUE, row[0])
-    exists = yield select(job.c.id).where(job.c.id == job_id)
+        due_at, read_at = row
+        return Outcome(Completion.NOT_DUE, as_utc(due_at), as_utc(read_at))
+    exists = yield select(job.c.id).where(job.c.id == ref.job_id)
     return Outcome(Completion.MOVED_ON if exists.first() is not None else Completion.NOT_A_JOB)
 
 

@@ -26,7 +26,7 @@ from .clock import as_utc, server_now_sql, server_time_after
 from .db import NOTIFY_CHANNEL, insert_if_absent
 from .errors import JobNotFoundError, JobStateError, ValidationError
 from .ids import parse_job_id, uuid7, uuid7_many
-from .states import ACTIVE_STATES, RESCHEDULABLE_STATES, JobState
+from .states import CANCELLABLE_STATES, RESCHEDULABLE_STATES, JobState
 from .tables import audit, job, shard_of
 from .values import LATEST, aware, check_json, encode_json, seconds_of
 
@@ -48,6 +48,7 @@ Step = Executable | tuple[Executable, list[dict[str, Any]] | dict[str, Any]] | C
 Steps = Generator[Step, CursorResult[Any], T]
 
 _INT32 = 2**31 - 1
+_RESCHEDULABLE = [s.value for s in JobState if s in RESCHEDULABLE_STATES]
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,10 +337,11 @@ def insert_many_steps(
 
 def cancel_steps(
     job_id: object, now: datetime, operator: str | None, reason: str | None,
-    states: Iterable[JobState] = ACTIVE_STATES, details: dict[str, Any] | None = None,
+    states: Iterable[JobState] = CANCELLABLE_STATES, details: dict[str, Any] | None = None,
 ) -> Steps[bool]:
-    """Cancel the job if it is in one of ``states``; with an ``operator``,
-    an audit row in the same transaction."""
+    """Cancel the job if it is in one of ``states`` (by default any not
+    finished, and DELIVERED: not yet handled by your own consumer's
+    completion); with an ``operator``, an audit row in the same transaction."""
     jid = parse_job_id(job_id)
     result = yield (
         update(job)
@@ -373,8 +375,9 @@ def reschedule_steps(job_id: object, due_at: datetime, delay: timedelta | None, 
     result = yield (
         update(job)
         .where(job.c.id == jid, job.c.state.in_(list(RESCHEDULABLE_STATES)))
+        # finished_at: a DELIVERED job had the publish time there.
         .values(state=JobState.SCHEDULED, due_at=due, version=job.c.version + 1,
-                lease_owner=None, lease_until=None, updated_at=now),
+                lease_owner=None, lease_until=None, finished_at=None, updated_at=now),
         params,
     )
     if result.rowcount == 0:
@@ -383,8 +386,7 @@ def reschedule_steps(job_id: object, due_at: datetime, delay: timedelta | None, 
         if row is None:
             raise JobNotFoundError(jid)
         raise JobStateError(
-            f"job {jid}: is {row[0]}; only SCHEDULED, DISPATCHING or ENQUEUED jobs can be "
-            f"rescheduled"
-        )
+            f"job {jid}: is {row[0]}; only {', '.join(_RESCHEDULABLE[:-1])} or "
+            f"{_RESCHEDULABLE[-1]} jobs can be rescheduled")
     if notify and dialect == "postgresql":
         yield select(func.pg_notify(NOTIFY_CHANNEL, ""))

@@ -9,7 +9,9 @@
 A queue consumed by your own loop (``Settings.own_consumer_queues``, see
 docs/own-consumers.md) ends ``DISPATCHING`` → ``DELIVERED`` instead of
 ``ENQUEUED``: the broker confirmed the message and duebox's part is done.  The
-dedupe decorator may still complete such a job, ``DELIVERED`` → ``SUCCEEDED``.
+dedupe decorator may still complete such a job, ``DELIVERED`` → ``SUCCEEDED``,
+and until it did a cancel or reschedule may still move it on (a new version
+the message it was given does not match).
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ ACTIVE_STATES = frozenset(set(JobState) - FINAL_STATES)
 STARTABLE_STATES = frozenset({JobState.SCHEDULED, JobState.DISPATCHING, JobState.ENQUEUED})
 # States that hold a lease which the recovery scan may expire.
 LEASED_STATES = frozenset({JobState.DISPATCHING, JobState.ENQUEUED, JobState.RUNNING})
-RESCHEDULABLE_STATES = STARTABLE_STATES
+# A job handed to a queue your own consumer reads (DELIVERED) has not run as
+# far as duebox knows: the dedupe decorator's completion takes it to
+# SUCCEEDED in the handler's transaction, fenced on its version, so a cancel
+# or reschedule that bumps the version keeps the message it was given from
+# running (docs/own-consumers.md).
+RESCHEDULABLE_STATES = STARTABLE_STATES | {JobState.DELIVERED}
+CANCELLABLE_STATES = ACTIVE_STATES | {JobState.DELIVERED}
 
 
 class LeaseVerdict(StrEnum):

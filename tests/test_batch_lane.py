@@ -391,3 +391,34 @@ async def test_forged_messages_handed_over_ahead_run_nothing(
     row = job_row(app.engine, real)
     assert (row.state, row.attempt) == ("SCHEDULED", 0)
     assert attempt_rows(app.engine, real) == []
+
+
+async def test_a_forged_version_beyond_the_column_does_not_fail_its_batch(
+        server_url: str, redis_keys: Keys, caplog: pytest.LogCaptureFixture) -> None:
+    """A message naming a real job with version 10**30, in the stream before
+    20 real jobs (issue #36): the lane's lock query took it as a parameter
+    and PostgreSQL refused the whole batch (NumericValueOutOfRange, the SQL
+    logged at WARNING).  The version is bounded where the message is
+    decoded, so it is discarded as undecodable and the batch runs."""
+    import redis
+
+    app = _app(server_url, redis_keys)
+    ids = _schedule_due(app, 20)
+    forged = JobMessage(ids[0], "effect", "default", 10**30, 0, datetime.now(UTC),
+                        {"n": "forged"})
+    with redis.Redis.from_url(redis_keys.url().split("?")[0]) as client:
+        client.xadd(redis_keys.k("ready"), {"id": str(ids[0]), "v": "1",
+                                            "body": forged.encode()})
+    async with Running(app, relays=1, workers=0) as r:
+        await r.wait(lambda: redis_keys.stream_len() == 21, timeout=30,
+                     what="the real jobs published behind the forged message")
+    with caplog.at_level("WARNING"):
+        async with Running(app, relays=0, workers=1, concurrency=4) as r:
+            seen_short_handlers(r)
+            await r.wait(lambda: all_final(app.engine, ids), timeout=60,
+                         what="all 20 real jobs to succeed")
+            await r.wait(lambda: r.discarded.get("undecodable", 0) == 1, timeout=30,
+                         what="the forged message discarded as undecodable")
+    assert r.worker_total("laned") == 20
+    assert len(effect_rows(app.engine)) == 20
+    assert not [rec for rec in caplog.records if "out of range" in rec.getMessage()]

@@ -3,6 +3,7 @@ driver's native message shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -15,10 +16,12 @@ import redis.asyncio
 import sqlalchemy as sa
 from aiokafka.structs import ConsumerRecord
 from conftest import service_missing
+from hostile import deep_json
 
 import duebox
 from duebox import DUPLICATE, MessageDecodeError, RedisDedupeStore, SQLDedupeStore
 from duebox.message import JobMessage
+from duebox.tables import processed
 
 seen_metadata = sa.MetaData()
 seen = sa.Table("loop_effects", seen_metadata, sa.Column("job_id", sa.String(64),
@@ -31,11 +34,16 @@ def _message() -> JobMessage:
 
 
 def _shapes(msg: JobMessage) -> dict[str, tuple[Any, ...]]:
-    body = msg.encode()
-    headers = msg.header_map()
+    return {**_native(msg.header_map(), msg.encode()),
+            "pika-body-only": (None, None, pika.BasicProperties(), msg.encode()),
+            "redis-entry": ((b"1-0", {b"body": msg.encode()}),),
+            "mapping": ({"duebox-id": str(msg.job_id), "text": "hi"},)}
+
+
+def _native(headers: dict[str, str], body: bytes) -> dict[str, tuple[Any, ...]]:
+    """``headers`` and ``body`` as each driver hands them over."""
     return {
         "pika": (None, None, pika.BasicProperties(headers=headers), body),
-        "pika-body-only": (None, None, pika.BasicProperties(), body),
         "sqs": ({"MessageId": "m-1", "ReceiptHandle": "r", "Body": body.decode(),
                  "MessageAttributes": {k: {"DataType": "String", "StringValue": v}
                                        for k, v in headers.items()}},),
@@ -43,8 +51,26 @@ def _shapes(msg: JobMessage) -> dict[str, tuple[Any, ...]]:
                                  timestamp_type=0, key=None, value=body, checksum=None,
                                  serialized_key_size=0, serialized_value_size=len(body),
                                  headers=[(k, v.encode()) for k, v in headers.items()]),),
-        "redis-entry": ((b"1-0", {b"body": body}),),
-        "mapping": ({"duebox-id": str(msg.job_id), "text": "hi"},),
+        "mapping": ({"headers": headers, "body": body},),
+    }
+
+
+def _hostile(msg: JobMessage) -> dict[str, tuple[dict[str, str], bytes, str]]:
+    """Issue #36's forged messages: headers, body, and the field refused.
+    The decorator used to let RecursionError, sqlalchemy's DataError and
+    ValueError out of the loop (or run the handler)."""
+    h, body = msg.header_map(), msg.encode()
+    return {
+        "no-headers-no-envelope": ({}, b'{"format": "other"}', "format"),
+        "deep-body": (h, deep_json(50_000), "body"),
+        "long-id": ({**h, "duebox-id": "x" * 300}, body, "duebox-id"),
+        "nul-id": ({**h, "duebox-id": str(msg.job_id)[:-1] + "\x00"}, body, "duebox-id"),
+        "superscript-version": ({**h, "duebox-version": "\u00b2"}, body, "duebox-version"),
+        "version-0": ({}, dataclasses.replace(msg, version=0).encode(), "version"),
+        "version-10**30": ({}, dataclasses.replace(msg, version=10**30).encode(), "version"),
+        "nul-task": ({}, dataclasses.replace(msg, task="send\x00").encode(), "task"),
+        "long-task": ({}, dataclasses.replace(msg, task="t" * 201).encode(), "task"),
+        "another-job's-id": ({**h, "duebox-id": str(uuid.uuid4())}, body, "duebox-id"),
     }
 
 
@@ -125,11 +151,52 @@ def test_a_message_without_an_outbox_id_is_an_error(engine: sa.Engine) -> None:
     def handle(message: Any, *, session: Any) -> None:  # pragma: no cover
         raise AssertionError("must not be called")
 
-    for bad in ({"text": "hello"}, b"not json", pika.BasicProperties(headers={"x": "1"})):
+    for bad, field in (({"text": "hello"}, "duebox-id"), (b"not json", "body"),
+                       (pika.BasicProperties(headers={"x": "1"}), "duebox-id"),
+                       ((b"1-0", {b"id": b"x"}), "duebox-id")):
         with pytest.raises(MessageDecodeError) as err:
             handle(bad)
-        assert err.value.field == "duebox-id"
+        assert err.value.field == field
     assert _rows(engine) == []
+
+
+@pytest.mark.parametrize("shape", list(_native({}, b"")))
+@pytest.mark.parametrize("case", list(_hostile(_message())))
+def test_what_is_not_a_duebox_message_is_refused_naming_the_field(
+        engine: sa.Engine, shape: str, case: str) -> None:
+    """One error, MessageDecodeError (a DueboxError), for every forged
+    message in every driver's shape, before any SQL: nothing is written."""
+    calls: list[Any] = []
+
+    @duebox.dedupe(SQLDedupeStore(engine, consumer="forged"))
+    def handle(*message: Any, session: Any) -> None:  # pragma: no cover
+        calls.append(message)
+
+    headers, body, field = _hostile(_message())[case]
+    with pytest.raises(MessageDecodeError) as err:
+        handle(*_native(headers, body)[shape])
+    assert err.value.field == field
+    assert isinstance(err.value, duebox.DueboxError)
+    assert calls == []
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(processed)).scalar_one() == 0
+
+
+async def test_an_async_handler_refuses_them_too(engine: sa.Engine) -> None:
+    store = SQLDedupeStore(engine, consumer="forged")
+
+    @duebox.dedupe(store)
+    async def handle(record: Any, *, session: Any) -> None:  # pragma: no cover
+        raise AssertionError("must not be called")
+
+    try:
+        for headers, body, field in _hostile(_message()).values():
+            (record,) = _native(headers, body)["kafka"]
+            with pytest.raises(MessageDecodeError) as err:
+                await handle(record)
+            assert err.value.field == field
+    finally:
+        await store.aclose()
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ tests/test_own_consumer_loops.py."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -18,7 +19,13 @@ from click.testing import CliRunner
 from helpers import make_app, schedule_committed
 
 import duebox
-from duebox import DUPLICATE, ConfigurationError, NotDueError, SQLDedupeStore
+from duebox import (
+    DUPLICATE,
+    ConfigurationError,
+    MessageDecodeError,
+    NotDueError,
+    SQLDedupeStore,
+)
 from duebox.cli.main import cli
 from duebox.config import Settings
 from duebox.dispatched import mark_and_claim, mark_enqueued
@@ -133,10 +140,6 @@ def test_the_mark_says_delivered_for_own_queues_only(app: duebox.Duebox, fused: 
     assert rows[mine].finished_at is not None
     assert rows[mine].published_at is not None
     assert rows[theirs].finished_at is None
-    # Terminal: a cancel finds nothing to cancel.
-    with app.engine.begin() as conn:
-        assert app.cancel(conn, mine) is False
-    assert _state(app, mine) == JobState.DELIVERED
 
 
 # --- the dedupe decorator's completion --------------------------------------------------
@@ -161,6 +164,18 @@ def _handler(app: duebox.Duebox, calls: list[str], fail: bool = False) -> Any:
         session.execute(sent.insert().values(job_id=headers["duebox-id"]))
         if fail:
             raise ConnectionError("smtp down")
+        return "sent"
+
+    return handle
+
+
+def _only_headers(app: duebox.Duebox, calls: list[str]) -> Any:
+    """A handler for messages that are only their ``duebox-*`` headers (a
+    mapping of your own)."""
+    @duebox.dedupe(SQLDedupeStore(app.engine, consumer="mailer"))
+    def handle(headers: dict[str, str], *, session: Any) -> str:
+        calls.append(headers["duebox-id"])
+        session.execute(sent.insert().values(job_id=headers["duebox-id"]))
         return "sent"
 
     return handle
@@ -221,7 +236,7 @@ def test_a_cancelled_job_is_not_run(app: duebox.Duebox) -> None:
     calls: list[str] = []
     headers = {"duebox-id": str(job_id), "duebox-version": str(version),
                "duebox-task": "send_email"}
-    assert _handler(app, calls)(headers, b"") is DUPLICATE
+    assert _only_headers(app, calls)(headers) is DUPLICATE
     assert calls == []
     assert _state(app, job_id) == JobState.CANCELLED
 
@@ -243,11 +258,196 @@ def test_a_message_that_overtook_the_relays_mark_completes(app: duebox.Duebox) -
     assert claimed == job_id
     assert _state(app, job_id) == JobState.DISPATCHING
     headers = {"duebox-id": str(job_id), "duebox-version": "1", "duebox-task": "send_email"}
-    assert _handler(app, [])(headers, b"") == "sent"
+    assert _only_headers(app, [])(headers) == "sent"
     with app.engine.begin() as conn:  # the relay's late mark matches nothing: harmless
         assert mark_enqueued(conn, owner="relay-1", ids=[job_id], now=datetime.now(UTC),
                              delivered=("emails",)) == 0
     assert _state(app, job_id) == JobState.SUCCEEDED
+
+
+# --- forged copies of a real job's message (issue #36) -----------------------------------
+
+
+def _nothing_ran(app: duebox.Duebox, msg: JobMessage, calls: list[str]) -> None:
+    assert calls == []
+    assert _seen(app) == 0
+    assert _state(app, msg.job_id) == JobState.DELIVERED
+    with app.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(sent)).scalar_one() == 0
+
+
+@pytest.mark.parametrize("forged", [
+    {"duebox-task": "send_email"},  # no version
+    {"duebox-version": "1"},  # no task
+    {},  # neither
+], ids=["no-version", "no-task", "id-only"])
+def test_a_real_jobs_id_without_its_version_and_task_runs_nothing(
+        app: duebox.Duebox, forged: dict[str, str]) -> None:
+    """On the job table's database a message naming a duebox job must match
+    its version and task.  Without a version the handler used to run with
+    the forged payload and write a dedupe row; the job stayed DELIVERED and
+    the relay's genuine message was then answered DUPLICATE."""
+    msg = _delivered(app)
+    calls: list[str] = []
+    assert _only_headers(app, calls)({"duebox-id": str(msg.job_id), **forged}) is DUPLICATE
+    _nothing_ran(app, msg, calls)
+    assert _handler(app, calls)(msg.header_map(), msg.encode()) == "sent"  # the real one runs
+    assert calls == [str(msg.job_id)]
+    assert _state(app, msg.job_id) == JobState.SUCCEEDED
+
+
+@pytest.mark.parametrize("version", [0, 2**31, 10**30, -1])
+def test_a_version_no_job_can_have_is_refused_with_the_field(app: duebox.Duebox,
+                                                              version: int) -> None:
+    """Version 0 or 2**31 with a real job's id and another payload: the
+    handler used to run it.  As a header and in the body."""
+    msg = _delivered(app)
+    calls: list[str] = []
+    forged = dataclasses.replace(msg, version=version, payload={"to": "attacker"})
+    with pytest.raises(MessageDecodeError) as err:
+        _only_headers(app, calls)({**msg.header_map(), "duebox-version": str(version)})
+    assert err.value.field == "duebox-version"
+    assert "from 1 to 2147483647" in str(err.value)
+    with pytest.raises(MessageDecodeError) as err:
+        _handler(app, calls)(forged.header_map(), forged.encode())
+    assert err.value.field == "duebox-version"
+    with pytest.raises(MessageDecodeError) as err:
+        _handler(app, calls)(None, forged.encode())  # the body alone
+    assert err.value.field == "version"
+    _nothing_ran(app, msg, calls)
+
+
+def test_headers_that_disagree_with_the_body_are_refused(app: duebox.Duebox) -> None:
+    """The fence would check one job and the handler read another's payload."""
+    msg = _delivered(app)
+    other = _delivered(app)
+    calls: list[str] = []
+    for name, value in (("duebox-id", str(other.job_id)), ("duebox-version", "2"),
+                        ("duebox-task", "refund")):
+        with pytest.raises(MessageDecodeError) as err:
+            _handler(app, calls)({**msg.header_map(), name: value}, msg.encode())
+        assert err.value.field == name
+        assert "must agree with the body" in str(err.value)
+    _nothing_ran(app, msg, calls)
+
+
+# --- cancel and reschedule after delivery (issue #36) ------------------------------------
+
+
+def test_a_delivered_job_can_be_cancelled_until_its_handler_ran(app: duebox.Duebox) -> None:
+    """A job due in an hour is DELIVERED as soon as the broker holds its
+    message; a cancel used to answer False and the message ran at its due
+    time.  The cancel bumps the version, and the completion's fence keeps
+    the message from running."""
+    msg = _delivered(app, delay=3600)
+    with app.engine.begin() as conn:
+        assert app.cancel(conn, msg.job_id, operator="alice", reason="not needed") is True
+    with app.engine.connect() as conn:
+        row = conn.execute(sa.select(job).where(job.c.id == msg.job_id)).one()
+    assert (row.state, row.version) == (JobState.CANCELLED, msg.version + 1)
+    calls: list[str] = []
+    assert _handler(app, calls)(msg.header_map(), msg.encode()) is DUPLICATE
+    assert calls == []
+    assert _seen(app) == 0
+    # Once the handler ran, there is nothing left to cancel.
+    handled = _delivered(app)
+    assert _handler(app, calls)(handled.header_map(), handled.encode()) == "sent"
+    with app.engine.begin() as conn:
+        assert app.cancel(conn, handled.job_id) is False
+    assert _state(app, handled.job_id) == JobState.SUCCEEDED
+
+
+def test_a_delivered_job_can_be_rescheduled_until_its_handler_ran(app: duebox.Duebox) -> None:
+    msg = _delivered(app, delay=3600)
+    with app.engine.begin() as conn:
+        app.reschedule(conn, msg.job_id, delay=0.0)
+    with app.engine.connect() as conn:
+        row = conn.execute(sa.select(job).where(job.c.id == msg.job_id)).one()
+    assert (row.state, row.version, row.finished_at) == (JobState.SCHEDULED,
+                                                         msg.version + 1, None)
+    calls: list[str] = []
+    assert _handler(app, calls)(msg.header_map(), msg.encode()) is DUPLICATE  # the old copy
+    assert calls == []
+    # The relay publishes it again, with its new version: that one runs.
+    again = _delivered_again(app, msg.job_id)
+    assert again is not None
+    assert again.version == msg.version + 1
+    assert _handler(app, calls)(again.header_map(), again.encode()) == "sent"
+    assert _state(app, msg.job_id) == JobState.SUCCEEDED
+    with app.engine.begin() as conn, pytest.raises(duebox.JobStateError, match="SUCCEEDED"):
+        app.reschedule(conn, msg.job_id, delay=60.0)
+
+
+def _delivered_again(app: duebox.Duebox, job_id: uuid.UUID) -> JobMessage | None:
+    now = datetime.now(UTC)
+    with app.engine.begin() as conn:
+        _, recs = mark_and_claim(conn, marks=[], owner="r2", horizon=now + timedelta(hours=1),
+                                 limit=100, now=now, lease_until=now + timedelta(seconds=30))
+        mark_enqueued(conn, owner="r2", ids=[r.id for r in recs], now=now,
+                      delivered=("emails",))
+    return next((r.to_message() for r in recs if r.id == job_id), None)
+
+
+def test_duebox_jobs_cancel_cancels_a_delivered_job(
+        app: duebox.Duebox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used to say "already finished, nothing to cancel" and exit 0."""
+    msg = _delivered(app, delay=3600)
+    monkeypatch.setenv("DUEBOX_DATABASE_URL", app.settings.database_url)
+    monkeypatch.setenv("DUEBOX_BROKER_URL", AMQP_URL)
+    monkeypatch.setenv("DUEBOX_OWN_CONSUMER_QUEUES", "emails")
+    result = CliRunner().invoke(cli, ["jobs", "cancel", str(msg.job_id), "--operator", "alice",
+                                      "--reason", "not needed"])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"job {msg.job_id}: cancelled\n"
+    assert _state(app, msg.job_id) == JobState.CANCELLED
+
+
+# --- the due check on the database's clock (issue #36) -----------------------------------
+
+
+@pytest.fixture
+def server_app(server_url: str) -> Iterator[duebox.Duebox]:
+    app = make_app(server_url, AMQP_URL, own_consumer_queues=["emails"])
+    app.add_task("send_email", lambda p, c: None, queue="emails")
+    loop_metadata.drop_all(app.engine)
+    loop_metadata.create_all(app.engine)
+    yield app
+    app.dispose()
+
+
+async def test_the_due_check_is_the_database_servers_not_the_consumer_hosts(
+        server_app: duebox.Duebox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer host whose clock runs 30 s fast: a job due in 10 s used to
+    run at once (and its ``finished_at``, on that clock, came after the due
+    time).  The due time is compared with the server's clock, as the worker
+    and the relay compare it.  The process under ``faketime`` is in
+    tests/test_own_consumer_loops.py."""
+    # The module, not the decorator duebox.consumers re-exports under its name.
+    dedupe_module = importlib.import_module("duebox.consumers.dedupe")
+    app = server_app
+    monkeypatch.setattr(dedupe_module, "utcnow",
+                        lambda: datetime.now(UTC) + timedelta(seconds=30))
+    msg = _delivered(app, delay=10)
+    calls: list[str] = []
+    with pytest.raises(NotDueError) as err:
+        _handler(app, calls)(msg.header_map(), msg.encode())
+    assert 5 < err.value.seconds <= 10
+    store = SQLDedupeStore(app.engine, consumer="mailer")
+
+    @duebox.dedupe(store)
+    async def handle(headers: dict[str, str], *, session: Any) -> str:  # pragma: no cover
+        calls.append(headers["duebox-id"])
+        return "sent"
+
+    try:
+        with pytest.raises(NotDueError) as err:
+            await handle(msg.header_map())
+        assert 5 < err.value.seconds <= 10
+    finally:
+        await store.aclose()
+    assert calls == []
+    assert _seen(app) == 0
+    assert _state(app, msg.job_id) == JobState.DELIVERED
 
 
 def test_complete_false_and_other_databases_only_dedupe(app: duebox.Duebox,
