@@ -16,7 +16,7 @@ import click
 from sqlalchemy.orm import Session
 
 from duebox import Duebox, DueboxError, migrate
-from duebox.config import redacted
+from duebox.credentials import redacted
 from duebox.ids import parse_job_id
 from duebox.states import JobState
 
@@ -279,7 +279,8 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
     logging.getLogger().setLevel(logging.WARNING)
     app = Duebox(database_url=database_url, broker_url=broker_url)
     click.echo(f"duebox demo: {n_jobs} jobs due from {START_LEAD:g} s to "
-               f"{START_LEAD + spread:g} s from now on {redacted(database_url)} with {broker_url}")
+               f"{START_LEAD + spread:g} s from now on {redacted(database_url)} "
+               f"with {redacted(broker_url)}")
     r = run_demo(app, n_jobs, spread, cancels)
     app.dispose()
     click.echo(

@@ -24,6 +24,7 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool, StaticPool
 
+from .credentials import redacted
 from .errors import (
     ConfigurationError,
     DatabaseError,
@@ -44,8 +45,14 @@ def parse_database_url(url: str | URL) -> URL:
     except (sa_exc.ArgumentError, ValueError) as exc:
         raise ConfigurationError(
             f"database_url: must be an SQLAlchemy URL such as sqlite:///duebox.db "
-            f"or postgresql+psycopg://host/db (got {str(url)!r})"
+            f"or postgresql+psycopg://host/db (got {redacted(str(url))!r})"
         ) from exc
+    if parsed.host is not None and "@" in parsed.host:
+        # SQLAlchemy ends the password at its first '@': the rest would be
+        # taken for the host, and printed by every connection error.
+        raise ConfigurationError(
+            f"database_url: {redacted(str(url))}: an '@' in the user or password: "
+            "percent-encode it as %40")
     if parsed.drivername.split("+")[0] == "postgres":
         # What Heroku and many platforms hand out; SQLAlchemy knows only
         # "postgresql".

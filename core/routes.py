@@ -19,10 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 from sqlalchemy import ColumnElement, Connection, and_, select
 
+from .credentials import redacted
 from .errors import ConfigurationError, ValidationError
 from .registry import check_broker_url, check_queue_name
 from .states import JobState
@@ -32,23 +32,7 @@ FIELD = "broker_routes"
 
 # An entry starts where a comma is followed by ``queue=scheme://``: a comma
 # inside a URL (Kafka's ``kafka://a:9092,b:9092``) is not followed by that.
-_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 _ENTRY = re.compile(r",(?=\s*[^,=\s]+\s*=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
-
-
-def redacted(url: str) -> str:
-    """``url`` with its password as ``***``, to print or log."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:  # a port that is not a number: nothing to find
-        return url
-    return url.replace(f":{password}@", ":***@") if password else url
-
-
-def _masked(text: str) -> str:
-    """``text`` (not a URL, perhaps holding one) with any ``user:password@``
-    password as ``***``."""
-    return _PASSWORD.sub(r"\1***@", text)
 
 
 def parse_routes(value: Mapping[str, str] | str | None) -> dict[str, str]:
@@ -90,7 +74,7 @@ def _parse_text(text: str) -> dict[str, str]:
         queue, url = queue.strip(), url.strip()
         if not sep or not queue or not url:
             raise ConfigurationError(
-                f"{FIELD}: entry {n} ({_masked(entry.strip())!r}) must be queue=URL, e.g. "
+                f"{FIELD}: entry {n} ({redacted(entry.strip())!r}) must be queue=URL, e.g. "
                 "emails=sqs://...,payments=amqp://... (queue names with '=' or ',': "
                 "give a JSON object)")
         if queue in routes:
@@ -199,4 +183,4 @@ def describe(routes: Sequence[Route]) -> list[str]:
             for r in routes]
 
 
-__all__ = ["Route", "Routes", "check_routes", "describe", "next_due", "parse_routes", "redacted"]
+__all__ = ["Route", "Routes", "check_routes", "describe", "next_due", "parse_routes"]

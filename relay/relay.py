@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from duebox import claims, dispatched, jobstore, reroute, routes, tracing
 from duebox.brokers.base import Broker, Outgoing, PublishingBroker, open_broker
-from duebox.config import redacted
+from duebox.credentials import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
