@@ -63,6 +63,49 @@ def test_bad_routes_name_the_queue_and_the_rule(value: str, message: str) -> Non
     assert str(exc.value).startswith(message), str(exc.value)
 
 
+DEEP = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('{"a": "redis://h/0", "a": "amqp://h/"}', "broker_routes: queue 'a': routed twice"),
+    ('{"a": "redis://h/0", "b": "amqp://h/", "b": "redis://h/0"}',
+     "broker_routes: queue 'b': routed twice"),
+    (DEEP, "broker_routes: must be a JSON object of queue name to broker URL string, with "
+           "nothing nested in it"),
+    ('{"a": {"b": "redis://h/0"}}', "broker_routes: must be a JSON object of queue name"),
+    ("a=memory://x", "broker_routes: queue 'a' -> memory://x: memory:// keeps messages in "
+                     "one process's memory"),
+    ('{"a": "memory://"}', "broker_routes: queue 'a' -> memory://: memory:// keeps"),
+])
+def test_duplicate_deep_and_in_process_routes_are_refused_by_rule(value: str,
+                                                                  message: str) -> None:
+    """The JSON form kept the last of two routes for one queue (the text
+    form refused them), 100,000-deep JSON raised a raw RecursionError, and a
+    route to memory:// was accepted: its jobs would sit in the relay's own
+    memory, where no worker process finds them."""
+    for make in (lambda: Settings(broker_routes=value),
+                 lambda: Settings.from_env({"DUEBOX_BROKER_ROUTES": value})):
+        with pytest.raises(ConfigurationError) as exc:
+            make()
+        assert str(exc.value).startswith(message), str(exc.value)[:300]
+
+
+@pytest.mark.parametrize("value", ['{"a": "redis://h/0", "a": "amqp://h/"}', DEEP,
+                                   "a=memory://x"])
+def test_the_cli_says_which_routes_are_refused_in_one_line(value: str, tmp_path: Any) -> None:
+    from click.testing import CliRunner
+
+    from duebox.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["routes"], env={
+        "DUEBOX_DATABASE_URL": f"sqlite:///{tmp_path}/d.db", "DUEBOX_BROKER_ROUTES": value})
+    assert result.exit_code == 1, (result.output[:300], result.exception)
+    assert isinstance(result.exception, SystemExit), result.exception  # not a crash
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output[:300]
+    assert lines[0].startswith("Error: ConfigurationError: broker_routes: "), lines[0][:300]
+
+
 def test_errors_hide_passwords() -> None:
     with pytest.raises(ConfigurationError) as exc:
         Settings(broker_routes="p=amqp://user:s3cret@h/?max_delay=x")
