@@ -19,11 +19,12 @@ from duebox import Duebox, DueboxError, migrate
 from duebox.credentials import redacted
 from duebox.ids import parse_job_id
 from duebox.states import JobState
+from duebox.values import MAX_SPAN
 
 from .dashboard_cmd import dashboard
 from .dlq_cmd import dlq_group
 from .loading import load_app
-from .options import TEXT, F, app_options, errors_as_messages, operator_options
+from .options import TEXT, F, FiniteRange, app_options, errors_as_messages, operator_options
 from .processes import cpu_count, processes_option, run_processes
 from .routes_cmd import routes
 from .schedules_cmd import schedules
@@ -215,14 +216,14 @@ def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str 
 @cli.command()
 @app_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--watch", type=click.FloatRange(min=0.05), is_flag=False, flag_value=2.0,
+@click.option("--watch", type=FiniteRange(0.05, 86_400), is_flag=False, flag_value=2.0,
               default=None, metavar="[SECONDS]",
               help="Refresh every SECONDS (default 2) until interrupted.")
 @click.option("--iterations", type=click.IntRange(min=1), default=None,
               help="With --watch: stop after this many refreshes.")
-@click.option("--window", type=click.FloatRange(min=1), default=300.0,
+@click.option("--window", type=FiniteRange(1, MAX_SPAN.total_seconds()), default=300.0,
               help="Start lateness over jobs started in the last WINDOW seconds.")
-@click.option("--max-due-age", type=click.FloatRange(min=0), default=60.0,
+@click.option("--max-due-age", type=FiniteRange(0, MAX_SPAN.total_seconds()), default=60.0,
               help="An oldest due job older than this is a problem.")
 @click.option("--degraded-ok", is_flag=True,
               help="Exit 0 when degraded (warnings only), e.g. for a liveness probe.")
@@ -266,7 +267,7 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
 @click.option("--broker-url", envvar="DUEBOX_BROKER_URL", default="sql://", show_default=True,
               help="[env DUEBOX_BROKER_URL]")
 @click.option("--jobs", "n_jobs", default=300, show_default=True, type=click.IntRange(1, 100_000))
-@click.option("--spread", default=5.0, show_default=True, type=click.FloatRange(0, 60),
+@click.option("--spread", default=5.0, show_default=True, type=FiniteRange(0, 60),
               help="Due times are spread evenly over SPREAD seconds, after a "
               "short lead in which the relay and the worker start.")
 @click.option("--cancels", default=10, show_default=True, type=click.IntRange(0, 1000),
