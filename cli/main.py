@@ -8,6 +8,8 @@ follow click's ``DUEBOX_<COMMAND>_<OPTION>`` rule, e.g.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import sys
@@ -69,13 +71,18 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
     """Claim due jobs and hand them to the broker."""
     from duebox.relay import Relay
 
-    from .running import run_until_signalled, serve_metrics
+    from .running import database_ready, run_until_signalled, serve_metrics
 
-    app = load_app(app_spec, database_url, broker_url)
+    app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     app.configure(batch_size=batch_size, poll_interval=poll_interval)
     r = Relay(app)  # it logs one line when it starts and one when it stops
     serve_metrics(metrics_port, metrics_host)
-    run_until_signalled(r.run)
+
+    async def main(stop: asyncio.Event) -> None:
+        if await database_ready(app, "relay", stop):
+            await r.run(stop)
+
+    run_until_signalled(main)
 
 
 @cli.command()
@@ -100,17 +107,19 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     (docs/worker.md, "How many worker processes")."""
     from duebox.consumers import Worker
 
-    from .running import run_until_signalled, serve_metrics
+    from .running import database_ready, run_until_signalled, serve_metrics
 
-    app = load_app(app_spec, database_url, broker_url)
+    app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     if not app.tasks:
         raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
     w = Worker(app, queues=list(queues) or None, concurrency=concurrency,
                group_commit=group_commit)  # one line when it starts, one when it stops
     count = processes or cpu_count()
     if count > 1:
-        # The app, its tables and the options were checked above, once;
-        # each child builds its own worker from them.
+        # The app, its tables and the options are checked here, once; each
+        # child builds its own worker from them.
+        if not run_until_signalled(functools.partial(database_ready, app, "worker")):
+            return
         app.dispose()
         options = {**click.get_current_context().find_root().params, "app_spec": app_spec,
                    "database_url": database_url, "broker_url": broker_url,
@@ -119,7 +128,12 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
         run_processes(count, options, metrics_port, metrics_host)
         return
     serve_metrics(metrics_port, metrics_host)
-    run_until_signalled(w.run)
+
+    async def main(stop: asyncio.Event) -> None:
+        if await database_ready(app, "worker", stop):
+            await w.run(stop)
+
+    run_until_signalled(main)
 
 
 @cli.group()
