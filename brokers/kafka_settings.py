@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from duebox.credentials import redacted
 from duebox.errors import ConfigurationError, ValidationError
 
 from ._common import flag, name_param, number, refuse_unknown
@@ -48,7 +49,8 @@ class KafkaSettings:
         params = parse_params(url)
         parts = urlsplit(url)
         if parts.scheme != "kafka":
-            raise ConfigurationError(f"broker_url: must start with kafka:// (got {url!r})")
+            raise ConfigurationError(f"broker_url: must start with kafka:// "
+                                     f"(got {redacted(url)!r})")
         refuse_unknown(params, URL_PARAMS, "kafka")
         hosts = parts.netloc.rpartition("@")[2]
         bootstrap = []

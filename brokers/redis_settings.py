@@ -11,6 +11,7 @@ import inspect
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from duebox.credentials import redacted
 from duebox.errors import ConfigurationError
 
 from ._common import number
@@ -33,7 +34,8 @@ class RedisSettings:
     def from_url(cls, url: str) -> RedisSettings:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss"):
-            raise ConfigurationError(f"broker_url: must start with redis:// (got {url!r})")
+            raise ConfigurationError(f"broker_url: must start with redis:// "
+                                     f"(got {redacted(url)!r})")
         query = parse_qsl(parts.query, keep_blank_values=True)
         own = {k: v for k, v in query if k in OWN_PARAMS}
         rest = [(k, v) for k, v in query if k not in OWN_PARAMS]

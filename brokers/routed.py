@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from duebox.credentials import redacted
 from duebox.errors import ConfigurationError, DueboxError
 from duebox.logs import CollapsedLog, kind_of
-from duebox.routes import redacted
 
 from .base import Broker, BrokerContext, Capabilities, Delivery, Durability, Ordering
 

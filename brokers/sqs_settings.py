@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from duebox.credentials import redacted
 from duebox.errors import ConfigurationError, ValidationError
 
 from ._common import flag, name_param, number, refuse_unknown
@@ -47,7 +48,8 @@ class SQSSettings:
         params = parse_params(url)
         parts = urlsplit(url)
         if parts.scheme != "sqs":
-            raise ConfigurationError(f"broker_url: must start with sqs:// (got {url!r})")
+            raise ConfigurationError(f"broker_url: must start with sqs:// "
+                                     f"(got {redacted(url)!r})")
         refuse_unknown(params, URL_PARAMS, "sqs")
         endpoint = params.get("endpoint") or None
         host = parts.hostname

@@ -12,7 +12,7 @@ import click
 from duebox import migrate
 
 from .loading import load_app
-from .options import app_options
+from .options import FiniteRange, app_options
 
 
 def _loopback(address: str) -> bool:
@@ -33,7 +33,7 @@ def _loopback(address: str) -> bool:
               help="Operator token that allows replay, purge, pause and resume; without one "
                    "the dashboard is read-only.  Prefer the environment variable (a command "
                    "line is visible to other users). [env DUEBOX_DASHBOARD_TOKEN]")
-@click.option("--refresh", envvar="DUEBOX_DASHBOARD_REFRESH", type=click.FloatRange(0.5, 600),
+@click.option("--refresh", envvar="DUEBOX_DASHBOARD_REFRESH", type=FiniteRange(0.5, 600),
               default=2.0, help="Seconds between auto-refreshes of the live pages. "
                                 "[env DUEBOX_DASHBOARD_REFRESH]")
 @click.option("--allow-host", "allow_hosts", multiple=True, envvar="DUEBOX_DASHBOARD_ALLOW_HOSTS",

@@ -14,7 +14,7 @@ from duebox.masking import masked, shown_as_is
 from duebox.values import check_operator, shown
 
 from .loading import load_app
-from .options import TEXT, app_options, operator_options
+from .options import TEXT, FiniteRange, app_options, operator_options
 
 Cmd = Callable[..., None]
 
@@ -80,7 +80,7 @@ def _operator_options(fn: Cmd) -> Cmd:
 @dlq_group.command("replay")
 @app_options
 @_operator_options
-@click.option("--rate", default=50.0, type=click.FloatRange(min=dlq.MIN_RATE),
+@click.option("--rate", default=50.0, type=FiniteRange(min=dlq.MIN_RATE),
               help="Replayed jobs become due at most this many per second.")
 @click.option("--force", is_flag=True, help="Also replay quarantined jobs.")
 def dlq_replay(app_spec: str | None, database_url: str | None, broker_url: str | None,

@@ -8,6 +8,8 @@ follow click's ``DUEBOX_<COMMAND>_<OPTION>`` rule, e.g.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import sys
@@ -16,14 +18,15 @@ import click
 from sqlalchemy.orm import Session
 
 from duebox import Duebox, DueboxError, migrate
-from duebox.config import redacted
+from duebox.credentials import redacted
 from duebox.ids import parse_job_id
 from duebox.states import JobState
+from duebox.values import MAX_SPAN
 
 from .dashboard_cmd import dashboard
 from .dlq_cmd import dlq_group
 from .loading import load_app
-from .options import TEXT, F, app_options, errors_as_messages, operator_options
+from .options import TEXT, F, FiniteRange, app_options, errors_as_messages, operator_options
 from .processes import cpu_count, processes_option, run_processes
 from .routes_cmd import routes
 from .schedules_cmd import schedules
@@ -68,13 +71,18 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
     """Claim due jobs and hand them to the broker."""
     from duebox.relay import Relay
 
-    from .running import run_until_signalled, serve_metrics
+    from .running import database_ready, run_until_signalled, serve_metrics
 
-    app = load_app(app_spec, database_url, broker_url)
+    app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     app.configure(batch_size=batch_size, poll_interval=poll_interval)
     r = Relay(app)  # it logs one line when it starts and one when it stops
     serve_metrics(metrics_port, metrics_host)
-    run_until_signalled(r.run)
+
+    async def main(stop: asyncio.Event) -> None:
+        if await database_ready(app, "relay", stop):
+            await r.run(stop)
+
+    run_until_signalled(main)
 
 
 @cli.command()
@@ -99,17 +107,19 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     (docs/worker.md, "How many worker processes")."""
     from duebox.consumers import Worker
 
-    from .running import run_until_signalled, serve_metrics
+    from .running import database_ready, run_until_signalled, serve_metrics
 
-    app = load_app(app_spec, database_url, broker_url)
+    app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     if not app.tasks:
         raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
     w = Worker(app, queues=list(queues) or None, concurrency=concurrency,
                group_commit=group_commit)  # one line when it starts, one when it stops
     count = processes or cpu_count()
     if count > 1:
-        # The app, its tables and the options were checked above, once;
-        # each child builds its own worker from them.
+        # The app, its tables and the options are checked here, once; each
+        # child builds its own worker from them.
+        if not run_until_signalled(functools.partial(database_ready, app, "worker")):
+            return
         app.dispose()
         options = {**click.get_current_context().find_root().params, "app_spec": app_spec,
                    "database_url": database_url, "broker_url": broker_url,
@@ -118,7 +128,12 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
         run_processes(count, options, metrics_port, metrics_host)
         return
     serve_metrics(metrics_port, metrics_host)
-    run_until_signalled(w.run)
+
+    async def main(stop: asyncio.Event) -> None:
+        if await database_ready(app, "worker", stop):
+            await w.run(stop)
+
+    run_until_signalled(main)
 
 
 @cli.group()
@@ -215,14 +230,14 @@ def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str 
 @cli.command()
 @app_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--watch", type=click.FloatRange(min=0.05), is_flag=False, flag_value=2.0,
+@click.option("--watch", type=FiniteRange(0.05, 86_400), is_flag=False, flag_value=2.0,
               default=None, metavar="[SECONDS]",
               help="Refresh every SECONDS (default 2) until interrupted.")
 @click.option("--iterations", type=click.IntRange(min=1), default=None,
               help="With --watch: stop after this many refreshes.")
-@click.option("--window", type=click.FloatRange(min=1), default=300.0,
+@click.option("--window", type=FiniteRange(1, MAX_SPAN.total_seconds()), default=300.0,
               help="Start lateness over jobs started in the last WINDOW seconds.")
-@click.option("--max-due-age", type=click.FloatRange(min=0), default=60.0,
+@click.option("--max-due-age", type=FiniteRange(0, MAX_SPAN.total_seconds()), default=60.0,
               help="An oldest due job older than this is a problem.")
 @click.option("--degraded-ok", is_flag=True,
               help="Exit 0 when degraded (warnings only), e.g. for a liveness probe.")
@@ -266,7 +281,7 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
 @click.option("--broker-url", envvar="DUEBOX_BROKER_URL", default="sql://", show_default=True,
               help="[env DUEBOX_BROKER_URL]")
 @click.option("--jobs", "n_jobs", default=300, show_default=True, type=click.IntRange(1, 100_000))
-@click.option("--spread", default=5.0, show_default=True, type=click.FloatRange(0, 60),
+@click.option("--spread", default=5.0, show_default=True, type=FiniteRange(0, 60),
               help="Due times are spread evenly over SPREAD seconds, after a "
               "short lead in which the relay and the worker start.")
 @click.option("--cancels", default=10, show_default=True, type=click.IntRange(0, 1000),
@@ -279,7 +294,8 @@ def demo(database_url: str, broker_url: str, n_jobs: int, spread: float, cancels
     logging.getLogger().setLevel(logging.WARNING)
     app = Duebox(database_url=database_url, broker_url=broker_url)
     click.echo(f"duebox demo: {n_jobs} jobs due from {START_LEAD:g} s to "
-               f"{START_LEAD + spread:g} s from now on {redacted(database_url)} with {broker_url}")
+               f"{START_LEAD + spread:g} s from now on {redacted(database_url)} "
+               f"with {redacted(broker_url)}")
     r = run_demo(app, n_jobs, spread, cancels)
     app.dispose()
     click.echo(

@@ -8,6 +8,7 @@ unreachable database is one line naming the cause and what to do (exit 1).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import wraps
 from typing import Any, TypeVar
@@ -88,3 +89,20 @@ class StoredText(click.types.StringParamType):
 
 
 TEXT = StoredText()
+
+
+class FiniteRange(click.FloatRange):
+    """A number in a range, and finite.  click's FloatRange lets NaN through
+    (every comparison with it is false), and without a maximum infinity
+    too: ``--window nan`` then ended in a traceback."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            rule = " and ".join(f"{word} {bound:.15g}" for word, bound in
+                                (("at least", self.min), ("at most", self.max))
+                                if bound is not None)
+            self.fail(f"{number!r} is not a finite number{' ' + rule if rule else ''}",
+                      param, ctx)
+        return number

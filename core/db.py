@@ -24,6 +24,7 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool, StaticPool
 
+from .credentials import redacted
 from .errors import (
     ConfigurationError,
     DatabaseError,
@@ -44,8 +45,14 @@ def parse_database_url(url: str | URL) -> URL:
     except (sa_exc.ArgumentError, ValueError) as exc:
         raise ConfigurationError(
             f"database_url: must be an SQLAlchemy URL such as sqlite:///duebox.db "
-            f"or postgresql+psycopg://host/db (got {str(url)!r})"
+            f"or postgresql+psycopg://host/db (got {redacted(str(url))!r})"
         ) from exc
+    if parsed.host is not None and "@" in parsed.host:
+        # SQLAlchemy ends the password at its first '@': the rest would be
+        # taken for the host, and printed by every connection error.
+        raise ConfigurationError(
+            f"database_url: {redacted(str(url))}: an '@' in the user or password: "
+            "percent-encode it as %40")
     if parsed.drivername.split("+")[0] == "postgres":
         # What Heroku and many platforms hand out; SQLAlchemy knows only
         # "postgresql".
@@ -390,15 +397,31 @@ class PgWaker:
     no-op and the caller relies on its poll interval.
     """
 
-    def __init__(self, url: URL, channel: str = NOTIFY_CHANNEL) -> None:
+    def __init__(self, url: URL, channel: str = NOTIFY_CHANNEL, *, listen: bool = True) -> None:
         self._url = url
         self._channel = channel
+        self._listens = listen
         self.event = asyncio.Event()
+        self._followers: list[asyncio.Event] = []
         self._task: asyncio.Task[None] | None = None
         self._log = CollapsedLog(log)
 
+    def follower(self) -> PgWaker:
+        """A waker with an ``event`` of its own, set by this one's LISTEN
+        connection: a relay's route lanes follow their relay's, so a relay
+        holds one such connection however many routes it has (one each, 1,000
+        routes took all of a server's connections)."""
+        follower = PgWaker(self._url, self._channel, listen=False)
+        self._followers.append(follower.event)
+        return follower
+
+    def _wake(self) -> None:
+        self.event.set()
+        for woken in self._followers:
+            woken.set()
+
     async def start(self) -> None:
-        if self._url.get_backend_name() != "postgresql":
+        if not self._listens or self._url.get_backend_name() != "postgresql":
             return
         self._task = asyncio.create_task(self._listen(), name="duebox-listen")
 
@@ -412,9 +435,9 @@ class PgWaker:
             try:
                 async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
                     await conn.execute(f"LISTEN {self._channel}")
-                    self.event.set()  # anything may have been missed while disconnected
+                    self._wake()  # anything may have been missed while disconnected
                     async for _ in conn.notifies():
-                        self.event.set()
+                        self._wake()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

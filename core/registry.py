@@ -9,6 +9,7 @@ import math
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from .credentials import check_userinfo, redacted
 from .errors import ConfigurationError, ValidationError
 
 BROKERS: dict[str, str] = {
@@ -38,11 +39,12 @@ def broker_class(url: str) -> Any:
     try:
         scheme = urlsplit(url).scheme.lower() if isinstance(url, str) else ""
     except ValueError as exc:  # an unbalanced IPv6 bracket, ...
-        raise ConfigurationError(f"broker_url: not a URL ({exc}): {url[:200]!r}") from None
+        raise ConfigurationError(
+            f"broker_url: not a URL ({exc}): {redacted(url)[:200]!r}") from None
     if not scheme:
         raise ConfigurationError(
             f"broker_url: must start with a scheme, one of {', '.join(sorted(BROKERS))}:// "
-            f"(got {url!r})"
+            f"(got {redacted(url) if isinstance(url, str) else url!r})"
         )
     target = BROKERS.get(scheme)
     if target is None:
@@ -56,8 +58,9 @@ def broker_class(url: str) -> Any:
 def check_broker_url(url: str) -> None:
     """Fail now, not when a relay starts, on an unknown scheme or a bad
     ``?max_delay=`` (what each backend accepts beyond that it checks itself
-    when built)."""
+    when built), and on a user or password the clients would misread."""
     cls = broker_class(url)
+    check_userinfo("broker_url", url)
     effective_max_delay(cls.capabilities.max_delay, dict(parse_qsl(urlsplit(url).query)))
 
 

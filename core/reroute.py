@@ -31,7 +31,8 @@ from urllib.parse import urlsplit
 from sqlalchemy import ColumnElement, Connection, and_, func, or_, select, update
 
 from .claims import update_locked
-from .routes import Route, Routes, redacted
+from .credentials import redacted
+from .routes import Route, Routes
 from .states import JobState
 from .tables import job
 
@@ -113,7 +114,9 @@ def leftovers(conn: Connection, routes: Routes) -> list[Leftover]:
     for queue, published_to, n, earliest in rows:
         now_key = route_key(routes.url_for(queue))
         if published_to != now_key:
-            found.append(Leftover(queue, now_key, published_to, int(n), earliest))
+            # Shown as a URL with its password hidden: older releases
+            # stored a password holding '/', '?' or '#' whole.
+            found.append(Leftover(queue, now_key, redacted(published_to), int(n), earliest))
     return found
 
 

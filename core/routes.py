@@ -19,12 +19,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 from sqlalchemy import ColumnElement, Connection, and_, select
 
+from .credentials import redacted
 from .errors import ConfigurationError, ValidationError
-from .registry import check_broker_url, check_queue_name
+from .message import too_deep
+from .registry import broker_class, check_broker_url, check_queue_name
 from .states import JobState
 from .tables import job
 
@@ -32,23 +33,7 @@ FIELD = "broker_routes"
 
 # An entry starts where a comma is followed by ``queue=scheme://``: a comma
 # inside a URL (Kafka's ``kafka://a:9092,b:9092``) is not followed by that.
-_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 _ENTRY = re.compile(r",(?=\s*[^,=\s]+\s*=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
-
-
-def redacted(url: str) -> str:
-    """``url`` with its password as ``***``, to print or log."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:  # a port that is not a number: nothing to find
-        return url
-    return url.replace(f":{password}@", ":***@") if password else url
-
-
-def _masked(text: str) -> str:
-    """``text`` (not a URL, perhaps holding one) with any ``user:password@``
-    password as ``***``."""
-    return _PASSWORD.sub(r"\1***@", text)
 
 
 def parse_routes(value: Mapping[str, str] | str | None) -> dict[str, str]:
@@ -63,8 +48,11 @@ def parse_routes(value: Mapping[str, str] | str | None) -> dict[str, str]:
         if not text:
             return {}
         if text.startswith("{"):
+            if too_deep(text, 1):  # counted unparsed: json recurses once per level
+                raise ConfigurationError(f"{FIELD}: must be a JSON object of queue name to "
+                                         "broker URL string, with nothing nested in it")
             try:
-                value = json.loads(text)
+                value = json.loads(text, object_pairs_hook=_once_each)
             except ValueError as exc:
                 raise ConfigurationError(f"{FIELD}: not a JSON object ({exc})") from None
         else:
@@ -90,23 +78,47 @@ def _parse_text(text: str) -> dict[str, str]:
         queue, url = queue.strip(), url.strip()
         if not sep or not queue or not url:
             raise ConfigurationError(
-                f"{FIELD}: entry {n} ({_masked(entry.strip())!r}) must be queue=URL, e.g. "
+                f"{FIELD}: entry {n} ({redacted(entry.strip())!r}) must be queue=URL, e.g. "
                 "emails=sqs://...,payments=amqp://... (queue names with '=' or ',': "
                 "give a JSON object)")
         if queue in routes:
-            raise ConfigurationError(f"{FIELD}: queue {queue!r}: routed twice; give each "
-                                     "queue one broker URL")
+            raise _routed_twice(queue)
         routes[queue] = url
     return routes
 
 
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refusing a key given twice (``json`` would
+    keep the last one, silently)."""
+    members: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in members:
+            raise _routed_twice(key)
+        members[key] = value
+    return members
+
+
+def _routed_twice(queue: str) -> ConfigurationError:
+    return ConfigurationError(f"{FIELD}: queue {queue!r}: routed twice; give each queue "
+                              "one broker URL")
+
+
 def check_routes(routes: Mapping[str, str]) -> None:
     """Each route's URL must name a known backend (and a valid
-    ``?max_delay=``), and its queue must be a name that backend can use."""
+    ``?max_delay=``) that outlives this process, and its queue must be a
+    name that backend can use."""
     for queue, url in routes.items():
         try:
             check_broker_url(url)
             check_queue_name(url, queue)
+            caps = broker_class(url).capabilities
+            # Durability.NONE: seam.py is not imported here (its Settings
+            # annotation would close an import cycle); a StrEnum equals its value.
+            if caps.durability == "none":
+                raise ConfigurationError(
+                    f"{caps.name}:// keeps messages in one process's memory, where a worker "
+                    "of another process never finds them: route the queue to a broker "
+                    f"({caps.name}:// serves as broker_url only, in tests)")
         except ConfigurationError as exc:
             raise ConfigurationError(
                 f"{FIELD}: queue {queue!r} -> {redacted(url)}: "
@@ -199,4 +211,4 @@ def describe(routes: Sequence[Route]) -> list[str]:
             for r in routes]
 
 
-__all__ = ["Route", "Routes", "check_routes", "describe", "next_due", "parse_routes", "redacted"]
+__all__ = ["Route", "Routes", "check_routes", "describe", "next_due", "parse_routes"]

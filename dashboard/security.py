@@ -14,8 +14,11 @@ it is refused if the dashboard is read-only, if the client is throttled for
 failed authentication (429, :mod:`.throttle`), or if it comes from another
 site: an ``Origin`` that is not this dashboard (``null`` included: sandboxed
 frames and some redirects send it) or ``Sec-Fetch-Site`` other than
-``same-origin``.  Browsers send one or both with every form POST; a request
-with neither (curl, scripts) is judged by its CSRF field and token alone.
+``same-origin``.  This dashboard is ``http://`` and the ``Host`` the request
+names, port included; ``https://`` only under a name given with
+``--allow-host``, where a reverse proxy may serve it over TLS.  Browsers
+send one or both with every form POST; a request with neither (curl,
+scripts) is judged by its CSRF field and token alone.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 from duebox.errors import ValidationError
 from duebox.values import check_operator
 
+from .hosts import host_name
 from .throttle import Throttle
 from .web import HTTPError, Request
 
@@ -43,7 +47,8 @@ _CLOCK_SLACK = 60.0  # a field "from the future" by less than this is the clock 
 class Guard:
     def __init__(self, token: str | None, *, secret: bytes | None = None,
                  actions_per_minute: int = 30, csrf_max_age: float = CSRF_MAX_AGE,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 proxied: Iterable[str] = ()) -> None:
         if token is not None and len(token) < 8:
             raise ValidationError("token", "must be at least 8 characters", "***")
         self.token = token
@@ -54,6 +59,9 @@ class Guard:
         self._clock = clock
         self.csrf_max_age = csrf_max_age
         self.throttle = Throttle(clock)
+        # Names a reverse proxy forwards (--allow-host, checked): the only
+        # ones a page may reach this dashboard at over https://.
+        self._proxied = frozenset(proxied)
 
     @property
     def read_only(self) -> bool:
@@ -98,7 +106,8 @@ class Guard:
             raise HTTPError(429, f"refused: too many failed attempts; try again in {wait} s",
                             headers=[("Retry-After", str(wait))])
         origin = request.headers.get("origin")
-        if origin is not None and not _same_origin(origin, request.headers.get("host", "")):
+        if origin is not None and not _same_origin(origin, request.headers.get("host", ""),
+                                                   self._proxied):
             raise HTTPError(403, f"refused: cross-site request from {origin}")
         site = request.headers.get("sec-fetch-site")
         if site is not None and site not in ("same-origin", "none"):
@@ -138,13 +147,16 @@ class Guard:
             self._recent.append(now)
 
 
-def _same_origin(origin: str, host: str) -> bool:
-    """``Origin`` names this dashboard as the browser reached it (``null``,
-    another host or a malformed value do not)."""
+def _same_origin(origin: str, host: str, proxied: frozenset[str]) -> bool:
+    """``Origin`` names this dashboard as the browser reached it: its
+    scheme, host and port (``null``, another scheme, host or port, or a
+    malformed value do not).  It serves ``http://``; ``https://`` only under
+    a name in ``proxied``, where a reverse proxy may add TLS."""
     try:
         parts = urlsplit(origin)
     except ValueError:
         return False
-    return (parts.scheme in ("http", "https") and bool(host)
+    schemes = ("http", "https") if host_name(host) in proxied else ("http",)
+    return (parts.scheme in schemes and bool(host)
             and parts.netloc.lower() == host.strip().lower()
             and origin.lower() == f"{parts.scheme}://{parts.netloc}".lower())

@@ -108,11 +108,11 @@ class DashboardServer:
                  token: str | None = None, refresh: float = 2.0,
                  show_unregistered_payloads: bool = False, allow_hosts: Iterable[str] = (),
                  limits: Limits | None = None) -> None:
-        guard = Guard(token, clock=lambda: app.clock.now().timestamp())
+        names = [checked_name(n) for n in allow_hosts]  # refused before binding
+        guard = Guard(token, clock=lambda: app.clock.now().timestamp(), proxied=names)
         self.dashboard = Dashboard(app, guard, refresh=refresh,
                                    show_unregistered_payloads=show_unregistered_payloads)
         self.limits = limits or Limits()
-        names = [checked_name(n) for n in allow_hosts]  # refused before binding
         self._socket = listen(host, port)
         self.hosts = HostAllowList(self._socket.getsockname()[0], names)
         self._pool = ThreadPoolExecutor(self.limits.threads, thread_name_prefix="duebox-dashboard")

@@ -19,12 +19,16 @@ from typing import TYPE_CHECKING
 
 from duebox import recovery
 from duebox.db import db_errors
+from duebox.logs import CollapsedLog
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
     from duebox.brokers.base import Broker
 
 log = logging.getLogger("duebox.relay")
+# One for the process: a relay with many routes meets each broker's state as
+# new when it starts (1,000 routes: 1,000 lines), and says so once, counted.
+_routine = CollapsedLog(log)
 
 # Reconciliation pages (of ``batch_size`` jobs) per pass while a sweep runs.
 _SWEEP_PAGES_PER_PASS = 4
@@ -47,6 +51,7 @@ class Reconciler:
 
     async def step(self) -> int:
         """One pass's share of reconciliation: the number of jobs requeued."""
+        _routine.flush()
         if not self.active:
             return 0
         if not self.sweeping:
@@ -56,8 +61,9 @@ class Reconciler:
             if lost:
                 # INFO: on a broker's first use this is routine; the sweep
                 # warns if it finds messages actually missing.
-                log.info("the broker's state is new to this relay (its first use, or it "
-                         "restarted empty): checking that every enqueued job is still there")
+                _routine.info("new state", "the broker's state is new to this relay (its "
+                              "first use, or it restarted empty): checking that every "
+                              "enqueued job is still there")
             self._last = time.monotonic()
             self.sweeping, self._sweep = True, None
         requeued = 0

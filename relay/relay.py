@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from duebox import claims, dispatched, jobstore, reroute, routes, tracing
 from duebox.brokers.base import Broker, Outgoing, PublishingBroker, open_broker
-from duebox.config import redacted
+from duebox.credentials import redacted
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
@@ -548,15 +548,17 @@ class Relay:
         # Every wait counts from ``now``; the query above took some of it.
         return max(0.0, min(waits) - (self.app.clock.now() - now).total_seconds())
 
-    async def run(self, stop: asyncio.Event | None = None) -> None:
+    async def run(self, stop: asyncio.Event | None = None,
+                  waker: PgWaker | None = None) -> None:
         """Run passes until ``stop`` is set.  Whatever a pass raises —
         database and broker outages, and any exception from their clients
         (aiokafka's admin client raised ``AttributeError`` while the cluster
         had no controller) — is logged, once per kind per interval, and the
         pass is retried after a jittered backoff; only a configuration error
-        (it would fail the same way every time) ends the relay."""
+        (it would fail the same way every time) ends the relay.  A lane is
+        woken by its relay's ``waker`` (one LISTEN connection per process)."""
         stop = stop or asyncio.Event()
-        waker = PgWaker(parse_database_url(self.app.settings.database_url))
+        waker = waker or PgWaker(parse_database_url(self.app.settings.database_url))
         if not await open_broker(self.broker, stop):
             return
         await waker.start()
@@ -576,14 +578,13 @@ class Relay:
                                       name="duebox-relay-own-queues")
         backoff = 0.1
         if self.lanes is not None:
-            self.lanes.start()
+            self.lanes.start(waker)
             log.info("relay %s started: %s -> routes: %s", self.name,
                      redacted(self.app.settings.database_url), self.lanes.describe())
-        else:
+        elif self.route is None:  # a lane's route is in its relay's line
             log.info("relay %s started: %s -> %s (max_delay=%s)", self.name,
                      redacted(self.app.settings.database_url),
-                     redacted(self.broker.url) if self.route is not None
-                     else redacted(self.app.settings.broker_url), self.max_delay)
+                     redacted(self.app.settings.broker_url), self.max_delay)
         try:
             while not stop.is_set():
                 try:
@@ -623,7 +624,8 @@ class Relay:
                 await asyncio.to_thread(self.scale.release)
             await waker.stop()
             await self.broker.close()
-            log.info("relay %s stopped", self.name)
+            if self.route is None:
+                log.info("relay %s stopped", self.name)
 
     async def _fire_held(self, stop: asyncio.Event) -> None:
         """The precise timer: publish held jobs at their release time, whatever

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from duebox.brokers.base import Broker, Delivery, PublishingBroker
+from duebox.db import PgWaker
 from duebox.errors import ConfigurationError
 from duebox.routes import Route, describe
 from duebox.seam import BrokerContext, Capabilities, Durability, Ordering
@@ -51,7 +52,8 @@ class Lane(Protocol):
     broker: Broker
     observe: RelayMetrics
 
-    async def run(self, stop: asyncio.Event | None = None) -> None: ...
+    async def run(self, stop: asyncio.Event | None = None,
+                  waker: PgWaker | None = None) -> None: ...
 
     async def run_pass(self) -> PassStats: ...
 
@@ -126,10 +128,12 @@ class RelayLanes:
     def describe(self) -> str:
         return "; ".join(describe(self.routes))
 
-    def start(self) -> None:
-        """Each lane runs as a task of its own until :meth:`stop`."""
+    def start(self, waker: PgWaker) -> None:
+        """Each lane runs as a task of its own until :meth:`stop`, woken by
+        the relay's ``waker``: lanes open no database connection of their
+        own, whatever their number (docs/brokers.md, "Routing")."""
         self._stop = asyncio.Event()
-        self._tasks = [asyncio.create_task(lane.run(self._stop),
+        self._tasks = [asyncio.create_task(lane.run(self._stop, waker.follower()),
                                            name=f"duebox-relay-lane-{lane.broker.capabilities.name}")
                        for lane in self.lanes]
 

@@ -63,6 +63,49 @@ def test_bad_routes_name_the_queue_and_the_rule(value: str, message: str) -> Non
     assert str(exc.value).startswith(message), str(exc.value)
 
 
+DEEP = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('{"a": "redis://h/0", "a": "amqp://h/"}', "broker_routes: queue 'a': routed twice"),
+    ('{"a": "redis://h/0", "b": "amqp://h/", "b": "redis://h/0"}',
+     "broker_routes: queue 'b': routed twice"),
+    (DEEP, "broker_routes: must be a JSON object of queue name to broker URL string, with "
+           "nothing nested in it"),
+    ('{"a": {"b": "redis://h/0"}}', "broker_routes: must be a JSON object of queue name"),
+    ("a=memory://x", "broker_routes: queue 'a' -> memory://x: memory:// keeps messages in "
+                     "one process's memory"),
+    ('{"a": "memory://"}', "broker_routes: queue 'a' -> memory://: memory:// keeps"),
+])
+def test_duplicate_deep_and_in_process_routes_are_refused_by_rule(value: str,
+                                                                  message: str) -> None:
+    """The JSON form kept the last of two routes for one queue (the text
+    form refused them), 100,000-deep JSON raised a raw RecursionError, and a
+    route to memory:// was accepted: its jobs would sit in the relay's own
+    memory, where no worker process finds them."""
+    for make in (lambda: Settings(broker_routes=value),
+                 lambda: Settings.from_env({"DUEBOX_BROKER_ROUTES": value})):
+        with pytest.raises(ConfigurationError) as exc:
+            make()
+        assert str(exc.value).startswith(message), str(exc.value)[:300]
+
+
+@pytest.mark.parametrize("value", ['{"a": "redis://h/0", "a": "amqp://h/"}', DEEP,
+                                   "a=memory://x"])
+def test_the_cli_says_which_routes_are_refused_in_one_line(value: str, tmp_path: Any) -> None:
+    from click.testing import CliRunner
+
+    from duebox.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["routes"], env={
+        "DUEBOX_DATABASE_URL": f"sqlite:///{tmp_path}/d.db", "DUEBOX_BROKER_ROUTES": value})
+    assert result.exit_code == 1, (result.output[:300], result.exception)
+    assert isinstance(result.exception, SystemExit), result.exception  # not a crash
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output[:300]
+    assert lines[0].startswith("Error: ConfigurationError: broker_routes: "), lines[0][:300]
+
+
 def test_errors_hide_passwords() -> None:
     with pytest.raises(ConfigurationError) as exc:
         Settings(broker_routes="p=amqp://user:s3cret@h/?max_delay=x")
@@ -296,3 +339,75 @@ async def test_sweep_waits_while_a_relay_on_other_routes_is_alive(database_url: 
     assert job_row(new.engine, job_id).state == "SCHEDULED"
     for app in (old, new):
         app.dispose()
+
+
+# --- many routes, one relay -------------------------------------------------------------
+
+# What a relay may hold, however many routes it has: its engine's pool
+# (create_sync_engine's pool_size 10 + max_overflow 20), shared by every
+# route's lane, plus the one LISTEN connection (PostgreSQL's NOTIFY wake-up)
+# and the liveness lock's.  docs/brokers.md, "Routing".
+MOST_CONNECTIONS = 10 + 20 + 2
+
+
+def _relay_connections(pg_server_url: str, redis_keys: Keys, tmp_path: Any,
+                       routes: int) -> tuple[int, str]:
+    """A real ``duebox relay`` with ``routes`` redis:// routes: the most
+    connections it held at once over 3 s of running, and its log."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from backends import REDIS, ROOT, poll, stop_processes
+
+    tag = f"duebox-routes-{uuid.uuid4().hex[:8]}"
+    routed = {f"q{i}": with_params(REDIS, prefix=f"{redis_keys.prefix}r{i}")
+              for i in range(routes)}
+    env = {**os.environ, "DUEBOX_DATABASE_URL": with_params(pg_server_url, application_name=tag),
+           "DUEBOX_BROKER_ROUTES": ",".join(f"{q}={u}" for q, u in routed.items())}
+    log = tmp_path / f"relay-{routes}.log"
+    watcher = sa.create_engine(pg_server_url)
+    with log.open("wb") as out:
+        relay = subprocess.Popen([sys.executable, "-m", "duebox", "relay"], env=env, cwd=ROOT,
+                                 stdout=out, stderr=subprocess.STDOUT)
+    try:
+        def alive() -> None:
+            assert relay.poll() is None, log.read_text()
+
+        poll("the relay started", lambda: " started" in log.read_text(), 60, check=alive)
+        most = 0
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            with watcher.connect() as conn:
+                held = conn.execute(sa.text("SELECT count(*) FROM pg_stat_activity "
+                                            "WHERE application_name = :tag"), {"tag": tag})
+                most = max(most, int(held.scalar_one()))
+            alive()
+            time.sleep(0.1)
+    finally:
+        stop_processes([relay], timeout=30)
+        watcher.dispose()
+        for key in redis_keys.client.scan_iter(match=f"{redis_keys.prefix}r*"):
+            redis_keys.client.delete(key)
+    assert relay.returncode == 0, log.read_text()[-3000:]
+    return most, log.read_text()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(240)
+def test_a_relay_with_many_routes_holds_a_bounded_number_of_connections(
+        pg_server_url: str, redis_keys: Keys, tmp_path: Any) -> None:
+    """Each route's lane opened a LISTEN connection of its own: 7 / 19 / 49
+    connections for 1 / 10 / 40 routes, and 1,000 routes took all 400 of a
+    shared server's; each lane also logged its own start and stop.  Now the
+    lanes follow their relay's one LISTEN connection and share its pool."""
+    reset_tables(pg_server_url)
+    few, _ = _relay_connections(pg_server_url, redis_keys, tmp_path, 1)
+    many, log = _relay_connections(pg_server_url, redis_keys, tmp_path, 40)
+    assert few > 0, few
+    assert many <= MOST_CONNECTIONS, (few, many)
+    lines = log.strip().splitlines()
+    assert sum(" started" in line for line in lines) == 1, log
+    assert sum(" stopped" in line for line in lines) == 1, log
+    assert len(lines) <= 5, log  # the start and stop lines, one about new broker state

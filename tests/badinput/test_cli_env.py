@@ -145,11 +145,27 @@ CLI_CASES: list[tuple[list[str], dict[str, str], str]] = [
     (["jobs", "cancel", "00000000-0000-0000-0000-000000000000", "--operator", "a",
       "--reason", "b"], {}, "no such job"),
     (["status", "--window", "0"], {}, "--window"),
+    # NaN passed click's FloatRange (every comparison with it is false), and
+    # a huge or infinite window overflowed: a traceback, not a refusal.
+    *((["status", "--window", v], {}, "--window") for v in ("nan", "1e300", "inf", "-inf")),
+    *((["status", "--max-due-age", v], {}, "--max-due-age")
+      for v in ("nan", "1e300", "inf", "-1")),
+    *((["status", "--watch", v, "--iterations", "2"], {}, "--watch")
+      for v in ("nan", "1e300", "inf", "0")),
+    (["dashboard", "--port", "0", "--refresh", "nan"], {}, "--refresh"),
+    (["dashboard", "--port", "0"], {"DUEBOX_DASHBOARD_REFRESH": "nan"}, "--refresh"),
+    (["demo", "--spread", "nan"], {}, "--spread"),
+    (["demo", "--spread", "inf"], {}, "--spread"),
+    (["relay", "--poll-interval", "1e300"], {}, "poll_interval"),
+    (["relay", "--poll-interval", "-inf"], {}, "poll_interval"),
+    (["relay", "--batch-size", "9" * 40], {}, "batch_size"),
+    (["jobs", "list", "--limit", "9" * 40], {}, "--limit"),
+    (["schedules", "next", "nightly", "-n", "-1"], {}, "-n"),
     (["dlq", "list", "--error-class", "bogus"], {}, "--error-class"),
     (["dlq", "replay", "--all", "--operator", "a", "--reason", "b", "--rate", "0"], {},
      "--rate"),
-    (["dlq", "replay", "--all", "--operator", "a", "--reason", "b", "--rate", "nan"], {},
-     "rate"),
+    *((["dlq", "replay", "--all", "--operator", "a", "--reason", "b", "--rate", v], {},
+       "--rate") for v in ("nan", "inf", "-1")),
     (["dlq", "replay", "--operator", "a", "--reason", "b"], {}, "--all"),
     (["dlq", "replay", "not-a-uuid", "--operator", "a", "--reason", "b"], {}, "JOB_ID"),
 ]

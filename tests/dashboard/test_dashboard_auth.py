@@ -133,6 +133,8 @@ def test_csrf_fields_expire(faked: duebox.Duebox, serve: Serve) -> None:
     ("Origin: file://", False),
     ("Sec-Fetch-Site: cross-site", False),
     ("Sec-Fetch-Site: same-site", False),
+    ("Origin: https://{host}", False),  # the same host and port, another scheme
+    ("Origin: http://{host}:1", False),
     ("Origin: http://{host}", True),
     ("Sec-Fetch-Site: same-origin", True),
     ("", True),
@@ -145,6 +147,30 @@ def test_only_this_dashboards_pages_may_act(sqlite_seeded: Seeded, serve: Serve,
     extra = f"{header.format(host=b.host)}\r\n" if header else ""
     reply = b.post(TOKEN, extra=extra)
     assert reply.status == (303 if allowed else 403), (header, reply)
+    if not allowed:
+        assert b"cross-site" in reply.body
+
+
+@pytest.mark.parametrize(("host", "origin", "allowed"), [
+    ("dash.example.com", "https://dash.example.com", True),  # a reverse proxy adds TLS
+    ("dash.example.com", "http://dash.example.com", True),
+    ("dash.example.com:8443", "https://dash.example.com:8443", True),
+    ("dash.example.com", "https://dash.example.com:8443", False),
+    ("dash.example.com", "https://other.example.com", False),
+    ("dash.example.com", "ftp://dash.example.com", False),
+    ("{own}", "https://{own}", False),  # reached directly: this dashboard speaks http only
+])
+def test_https_is_this_dashboards_origin_only_behind_a_proxy_name(
+        sqlite_seeded: Seeded, serve: Serve, host: str, origin: str, allowed: bool) -> None:
+    """An ``Origin`` of ``https://`` with the dashboard's own host and port
+    was accepted, though the dashboard serves plain HTTP.  Under a name given
+    with ``--allow-host`` (the one a reverse proxy forwards) a page may have
+    been served over TLS by the proxy."""
+    c = serve(sqlite_seeded.app, token=TOKEN, allow_hosts=["dash.example.com"])
+    b = Browser(c)
+    b.host = host.format(own=b.host)
+    reply = b.post(TOKEN, extra=f"Origin: {origin.format(own=b.host)}\r\n")
+    assert reply.status == (303 if allowed else 403), (host, origin, reply)
     if not allowed:
         assert b"cross-site" in reply.body
 

@@ -10,7 +10,8 @@ only the soak's own connections:
 It is a process of its own (``python -m tests.soak.proxy HOST PORT``, driven
 by :class:`Proxy`), so that the traffic of six duebox processes is not
 squeezed through the harness's own CPU share: commands are mode names on
-stdin, each answered ``ok``; the first line out is ``port N``.
+stdin, each answered ``ok``, or ``accepted``, answered with the number of
+connections accepted so far; the first line out is ``port N``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Forwarder:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-proxy", daemon=True)
         self.port = 0
+        self.accepted = 0
 
     def start(self) -> int:
         """Listen on a free loopback port; returns it."""
@@ -85,6 +87,7 @@ class Forwarder:
         writer.transport.abort()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
         if self.mode == "cut":
             self._reset(writer)
             return
@@ -165,6 +168,15 @@ class Proxy:
         if answer != "ok":
             raise RuntimeError(f"the soak's TCP proxy did not take mode {mode!r} ({answer!r})")
 
+    def accepted(self) -> int:
+        """How many connections the proxy has accepted (and passed or cut)."""
+        assert self.proc is not None
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        with self._lock:
+            self.proc.stdin.write("accepted\n")
+            return int(self.proc.stdout.readline())
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -179,6 +191,9 @@ def main(host: str, port: str) -> None:
     fwd = Forwarder(host, int(port))
     print(f"port {fwd.start()}", flush=True)
     for line in sys.stdin:
+        if line.strip() == "accepted":
+            print(fwd.accepted, flush=True)
+            continue
         fwd.set_mode(line.strip())
         print("ok", flush=True)
     fwd.close()
