@@ -37,7 +37,7 @@ from duebox import dispatched, jobstore, tracing
 from duebox.batched import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
-from duebox.config import redacted
+from duebox.credentials import redacted
 from duebox.db import db_errors
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError, ValidationError
 from duebox.failures import FailureClass, Verdict

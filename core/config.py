@@ -9,11 +9,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from . import own_queues
-from .credentials import redacted as redacted  # consumers/worker.py's import, until it
 from .dispatch_policy import DispatchPolicy
 from .errors import ConfigurationError
-
-# takes it from duebox.credentials (issue 34: no shims); nothing else may use it here.
 from .routes import check_routes, parse_routes
 from .values import MAX_SPAN
 
