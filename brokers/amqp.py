@@ -30,12 +30,14 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from duebox.errors import BrokerError, DueboxError, MessageDecodeError, ValidationError
 from duebox.logs import CollapsedLog
 from duebox.message import JobMessage
+from duebox.waiting import wait_any
 
 from . import amqp_pack
 from .amqp_link import (
@@ -78,6 +80,17 @@ _YIELD_EVERY = 64
 # Ended consumer channels kept open for late acks; beyond this the oldest is
 # closed (the broker redelivers what it still held; the worker drops it).
 _RETIRED_MOST = 4
+# How often a consumer fits its prefetch while its worker takes nothing in
+# (and whenever the worker's wants change).
+_FOLLOW_EVERY = 0.25
+
+
+@dataclass
+class _Intake:
+    """A consumer channel's prefetch as last set, and when."""
+
+    qos: int
+    at: float = field(default_factory=time.monotonic)
 
 
 class AMQPBroker(PublishingBroker):
@@ -122,6 +135,8 @@ class AMQPBroker(PublishingBroker):
         # Jobs per message delivered lately (packs: more than one), smoothed:
         # the prefetch, counted in messages, is sized by it.
         self._per_message = 1.0
+        # Set when the worker's wanted() may have changed (wanted_changed).
+        self._wanted_changed = asyncio.Event()
         # Packs being given back by a consumer that stopped (_settle_pack).
         self._settling: set[asyncio.Task[None]] = set()
 
@@ -343,7 +358,9 @@ class AMQPBroker(PublishingBroker):
                 continue
             backoff = 0.2
             getter: asyncio.Future[Delivery] | None = None
-            qos, qos_at = prefetch, time.monotonic()
+            intake = _Intake(prefetch)
+            following = asyncio.create_task(self._follow(chan, inbox, intake, prefetch, wanted,
+                                                         names))
             try:
                 while chan.is_open:
                     # What pika has already handed over goes out without a
@@ -351,15 +368,7 @@ class AMQPBroker(PublishingBroker):
                     # of a delivery's cost); only an empty inbox is awaited.
                     while not inbox.empty():
                         yield inbox.get_nowait()
-                    # The prefetch follows how many the worker wants in hand
-                    # (short handlers: many), asked again at most twice a
-                    # second and only when it changed by a quarter.
-                    # Counted in messages: a pack holds several jobs.
-                    size = max(1, math.ceil(buffer_size(prefetch, wanted) / self._per_message))
-                    if abs(size - qos) * 4 >= qos and time.monotonic() - qos_at >= 0.5:
-                        qos, qos_at = size, time.monotonic()
-                        await chan.rpc(chan.ch.basic_qos, prefetch_count=size,
-                                       global_qos=self._shared_qos(names))
+                    await self._fit_qos(chan, intake, prefetch, wanted, names)
                     getter = asyncio.ensure_future(inbox.get())
                     await asyncio.wait({getter, chan.closed}, return_when=asyncio.FIRST_COMPLETED)
                     if not getter.done():
@@ -367,12 +376,53 @@ class AMQPBroker(PublishingBroker):
                     delivery, getter = getter.result(), None
                     yield delivery
             finally:
+                following.cancel()
                 if getter is not None:
                     getter.cancel()
                 self._stop_consuming(chan, inbox)
                 self._declared.difference_update(names)  # a deleted queue is declared again
             self._log.warning("channel-closed", "RabbitMQ consumer channel closed (%s); "
                               "consuming again", describe(chan.closed.result()))
+
+    def wanted_changed(self) -> None:
+        self._wanted_changed.set()
+
+    async def _fit_qos(self, chan: Channel, intake: _Intake, prefetch: int,
+                       wanted: Callable[[], int] | None, names: Sequence[str]) -> None:
+        """The prefetch follows how many jobs the worker wants in hand
+        (short handlers: many), counted in messages (a pack holds several
+        jobs): asked again at most twice a second and only when it changed
+        by a quarter — or at once when it halved (threads taken by long
+        handlers), so RabbitMQ sends the rest to other consumers."""
+        size = max(1, math.ceil(buffer_size(prefetch, wanted) / self._per_message))
+        qos = intake.qos
+        if (abs(size - qos) * 4 >= qos and time.monotonic() - intake.at >= 0.5) or (
+                size * 2 <= qos):
+            intake.qos, intake.at = size, time.monotonic()
+            await chan.rpc(chan.ch.basic_qos, prefetch_count=size,
+                           global_qos=self._shared_qos(names))
+
+    async def _follow(self, chan: Channel, inbox: asyncio.Queue[Delivery], intake: _Intake,
+                      prefetch: int, wanted: Callable[[], int] | None,
+                      names: Sequence[str]) -> None:
+        """While the worker takes nothing in (every thread of it runs a long
+        handler) the consume loop does not run: keep the prefetch fitted
+        anyway, and hand what RabbitMQ already sent to other consumers (each
+        published again at once, :meth:`hand_back`)."""
+        if wanted is None:
+            return
+        try:
+            while chan.is_open:
+                await wait_any(_FOLLOW_EVERY, self._wanted_changed)
+                self._wanted_changed.clear()
+                await self._fit_qos(chan, intake, prefetch, wanted, names)
+                while wanted() == 0 and not inbox.empty():
+                    await self.hand_back(inbox.get_nowait())
+        except BrokerError:
+            return  # the channel went: consume() starts again
+        except Exception as exc:  # a bug: said once, never a silent stop
+            self._log.warning(f"follow:{type(exc).__name__}", "fitting the prefetch failed "
+                              "(%s: %s)", type(exc).__name__, exc, exc_info=True)
 
     def _stop_consuming(self, chan: Channel, inbox: asyncio.Queue[Delivery]) -> None:
         """Consumption ends (the worker stops, or consumes afresh): RabbitMQ
@@ -532,6 +582,11 @@ class AMQPBroker(PublishingBroker):
             await self.ack(delivery)
         else:  # not a duebox message: keep it in the dead-letter queue
             chan.reject(tag)
+
+    async def hand_back(self, delivery: Delivery) -> bool:
+        """Another consumer should have it: published again at once, the
+        delivery acked (a pack's job settled)."""
+        return await self.defer(delivery, 0.0)
 
     async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Publish the message again with the remaining delay, then ack it.

@@ -68,12 +68,14 @@ MAX_BUFFER = 256
 
 def buffer_size(prefetch: int, wanted: Callable[[], int] | None) -> int:
     """How many unacknowledged messages a backend that buffers them should
-    hold for a worker now: ``prefetch``, or as many as the worker wants in
-    hand when that is more (short handlers: a batch lane's or a group's
-    worth per executor), up to :data:`MAX_BUFFER`."""
+    hold for a worker now: as many as the worker wants in hand (short
+    handlers: a batch's worth per thread), up to :data:`MAX_BUFFER`, and as
+    few as one while every thread of it runs a long handler — it takes
+    nothing more in then, and what it would buffer goes to other workers
+    (consumers/runner.py).  ``prefetch`` where the worker says nothing."""
     if wanted is None:
         return prefetch
-    return max(prefetch, min(wanted(), MAX_BUFFER))
+    return max(1, min(wanted(), MAX_BUFFER))
 
 
 def delivery_from_body(body: bytes | str, raw: Any = None, *, max_bytes: int | None = None,
@@ -181,6 +183,20 @@ class Broker(abc.ABC):
         and relies on the job's lease expiry to publish it again."""
         await self.ack(delivery)
         return True
+
+    async def hand_back(self, delivery: Delivery) -> bool:
+        """The worker holds ``delivery`` but cannot start it soon — every
+        thread it has runs a long handler — so another consumer should
+        have it now: give it back to the broker, visible at once.  False:
+        this backend cannot (the worker keeps it and runs it when a thread
+        is free).  The default cannot."""
+        return False
+
+    def wanted_changed(self) -> None:  # noqa: B027 - an optional hook
+        """The worker's ``wanted()`` may have changed (a thread started or
+        stopped running a long handler): a backend that sizes a buffer or
+        claims by it looks again now rather than at its next wake-up.  The
+        default: nothing."""
 
     async def cancel(self, job_ids: Sequence[uuid.UUID]) -> int:
         """Best effort, after a cancel committed: drop these jobs' messages that

@@ -521,6 +521,11 @@ class RedisBroker(PublishingBroker):
         else:
             await self.ack(delivery)
 
+    async def hand_back(self, delivery: Delivery) -> bool:
+        """Another consumer should have it: parked again with a due time of
+        now, which the mover puts back on the stream for any consumer."""
+        return await self.defer(delivery, 0.0)
+
     async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Park the message again for ``seconds`` (XACK + XDEL + ZADD,
         atomically).  If that fails the entry stays pending and is taken over

@@ -172,6 +172,13 @@ class RoutedBroker(Broker):
     async def defer(self, delivery: Delivery, seconds: float) -> bool:
         return await self._of(delivery).defer(delivery, seconds)
 
+    async def hand_back(self, delivery: Delivery) -> bool:
+        return await self._of(delivery).hand_back(delivery)
+
+    def wanted_changed(self) -> None:
+        for b, _ in self.parts:
+            b.wanted_changed()
+
     async def cancel(self, job_ids: Sequence[uuid.UUID]) -> int:
         return sum([await b.cancel(job_ids) for b, _ in self.parts])
 

@@ -160,6 +160,13 @@ class SQLBroker(Broker):
         poll = self.context.settings.poll_interval
         try:
             while True:
+                if wanted is not None and held and wanted() == 0:
+                    # Every thread of the worker runs a long handler: what it
+                    # claimed ahead goes back now, for other workers to claim
+                    # ahead in time (a NOTIFY wakes them), not at its due time.
+                    with contextlib.suppress(DatabaseError):
+                        await asyncio.to_thread(self._unclaim,
+                                                [c.record for c in held.drain()])
                 # Handed over a moment before the due time: the worker reads
                 # the job again (a cancel must win) and holds the handler to
                 # the due time itself, so the round trip is done by then.
@@ -290,6 +297,13 @@ class SQLBroker(Broker):
         if self._giving_back:
             await asyncio.wait(set(self._giving_back), timeout=10.0)
 
+    def wanted_changed(self) -> None:
+        """The worker wants fewer or more in hand: look at the held claims
+        and the claimer's room again now."""
+        if self._fresh is not None:
+            self._fresh.set()
+        self._freed.set()
+
     def lane_claims(self) -> LaneClaims | None:
         return self._lane
 
@@ -317,6 +331,16 @@ class SQLBroker(Broker):
         task = asyncio.get_running_loop().create_task(give_back())
         self._giving_back.add(task)
         task.add_done_callback(self._giving_back.discard)
+
+    async def hand_back(self, delivery: Delivery) -> bool:
+        """Another worker should have it: the claimed job goes back to
+        ``SCHEDULED`` (as if never claimed, fenced by its lease, with a
+        NOTIFY), for any worker's claim."""
+        if delivery.claimed is None:
+            return False
+        await asyncio.to_thread(self._unclaim, [delivery.claimed])
+        await self.ack(delivery)
+        return True
 
     async def ack(self, delivery: Delivery) -> None:
         self._in_flight = max(0, self._in_flight - 1)

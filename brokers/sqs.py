@@ -474,6 +474,10 @@ class SQSBroker(SQSQueues):
         except (ClientError, BotoCoreError) as exc:
             raise self._error("ChangeMessageVisibility", exc) from exc
 
+    async def hand_back(self, delivery: Delivery) -> bool:
+        """Another consumer should have it: made visible again at once."""
+        return await self.defer(delivery, 0.0)
+
     async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Hide the message again for the rest of ``seconds``, rounded up (it
         came before its due time, e.g. clock skew): never run early.  If that

@@ -122,6 +122,8 @@ class Execution:
         # When the handler was called (monotonic): the runner's watchdog
         # tells a straggler by it.
         self.began: float | None = None
+        # How long the handler itself ran (its commit not included).
+        self.handler_seconds: float | None = None
         self.app = app
         self.task = task
         self.rec = rec
@@ -236,6 +238,7 @@ class Execution:
             self.started = self.app.clock.now()
             self.began = time.monotonic()
             error = call_handler(self.task, self.rec.payload, self.context(session), session)
+            self.handler_seconds = time.monotonic() - self.began
             return self.finish(session, error)
 
     def finish(self, session: HandlerSession, error: BaseException | None) -> Outcome:

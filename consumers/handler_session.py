@@ -174,6 +174,7 @@ class HandlerSession(Session):
         savepoint) or undo them (roll back to it), and let the session go
         for the next handler.  Nothing to do if it never used the session."""
         self.handler_runs = False
+        self.broke_rule = None  # the next handler's slate is clean
         if self.get_transaction() is not None:
             if keep:
                 super().commit()

@@ -44,9 +44,11 @@ GROUP_LEAST = 6
 # A batched handler running this long, or four times its task's usual time
 # if that is longer, is a straggler.  Letting it go costs its batch one
 # commit; the jobs behind it start this much late at most.
-STRAGGLER_AFTER = 0.02
+STRAGGLER_AFTER = 0.01
 # A task whose straggler held its batch's transaction runs alone this long.
 ISOLATE_FOR = 60.0
+# After a straggler, lane batches spread over every free thread this long.
+SPREAD_FOR = 1.0
 # Smoothing of run times: the weight of the newest run.
 _WEIGHT = 0.2
 
@@ -69,6 +71,8 @@ class Policy:
         self.task_pace: dict[str, float] = {}
         # Per task, until when (monotonic) its jobs run alone.
         self._isolated: dict[str, float] = {}
+        # When (monotonic) a batched handler last ran long (None: never).
+        self._straggled_at: float | None = None
 
     # --- what may share a transaction ----------------------------------------------
 
@@ -111,6 +115,18 @@ class Policy:
         floor = self.straggler_floor
         return floor if pace is None else max(floor, 4 * pace)
 
+    def straggled(self) -> None:
+        """A batched handler ran past its straggler time (it was let go, or
+        held its batch)."""
+        self._straggled_at = time.monotonic()
+
+    def straggling(self) -> bool:
+        """Whether a batched handler ran long within :data:`SPREAD_FOR`: the
+        jobs waiting may be of the same kind, so they spread over every
+        free thread instead of gathering into two batches."""
+        at = self._straggled_at
+        return at is not None and time.monotonic() - at < SPREAD_FOR
+
     def held_batch(self, task: str) -> None:
         """A straggler of ``task`` could not be let go (it had written into
         its batch's transaction): its jobs run alone for a while."""
@@ -119,8 +135,8 @@ class Policy:
     # --- learning -----------------------------------------------------------------
 
     def ran(self, task: str, seconds: float, *, batched: bool) -> None:
-        """One handler of ``task`` took ``seconds`` (alone: its commit
-        included, which is what batching saves — not its pace)."""
+        """One handler of ``task`` took ``seconds`` (the handler alone, not
+        its transaction's statements)."""
         before = self.task_pace.get(task)
         if before is not None and seconds > self.straggler_after(task):
             return  # a straggler says nothing about the task's usual time
@@ -147,10 +163,11 @@ class Policy:
         """Lane batches to run at once.  Handlers short enough for a full
         batch within the budget: two — one runs while the next fills — so
         deliveries gather into large batches instead of each taking a
-        thread and a transaction of its own.  Slower ones: every free
-        thread.  A batch whose handler is a straggler does not count
-        (consumers/runner.py)."""
-        if self.pace is None or self.pace * self.group <= self.budget:
+        thread and a transaction of its own.  Slower ones, or just after a
+        straggler (what waits may be as slow): every free thread.  A batch
+        whose handler is a straggler does not count (consumers/runner.py)."""
+        if (self.pace is None or self.pace * self.group <= self.budget) and (
+                not self.straggling()):
             return min(2, free) if free else 0
         return free
 

@@ -19,7 +19,7 @@ messages acknowledged together).
 
 **No job waits for another job's handler while a thread is free.**  Units
 are cut from what waits, never held back to gather; and a watchdog looks at
-every running handler a hundred times a second.  One that has run past its
+every running handler two hundred times a second.  One that has run past its
 straggler time (``Policy.straggler_after``) is *long*: its thread is no
 longer counted as free (so the worker takes in less, :meth:`wanted`, and a
 lane batch stuck on it no longer counts against the lane's), and if it runs
@@ -51,7 +51,7 @@ from duebox.clock import follows_real_time
 from duebox.db import db_errors
 from duebox.holding import Hold
 from duebox.logs import CollapsedLog, kind_of
-from duebox.message import stored_payload_ok
+from duebox.message import ORDERING_KEY_HEADER, stored_payload_ok
 from duebox.tasks import Task
 from duebox.timing import HANDOVER_GATHER, LANE_HOLD_MOST, LANE_LOCK_LEAD
 from duebox.waiting import wait_any
@@ -77,7 +77,7 @@ _EVER = datetime.max.replace(tzinfo=UTC)  # stopping: every held delivery, in du
 # before it runs alone (a cancel may have landed).
 _REREAD_AFTER = timedelta(milliseconds=500)
 # How often the watchdog looks at the running handlers.
-_WATCH_EVERY = 0.01
+_WATCH_EVERY = 0.005
 
 
 class Outcomes(Protocol):
@@ -103,6 +103,10 @@ class Outcomes(Protocol):
 
     def reran(self, handlers: int) -> None:
         """That many handlers will run a second time: their batch was lost."""
+
+    def handed_back(self, jobs: int) -> None:
+        """That many jobs went back for other workers (every thread here ran
+        a long handler)."""
 
 
 class _Unit:
@@ -159,6 +163,10 @@ class Runner:
         # rows are thought to wait for the lane (see pull()).
         self.claims: LaneClaims | None = broker.lane_claims() if lane else None
         self._more_due = False
+        # Whether the broker takes a delivery back (Broker.hand_back): known
+        # after the first try.
+        self._hands_back = True
+        self._handing_back: set[asyncio.Task[None]] = set()
 
     @staticmethod
     def lane_enabled(broker: Broker, dialect: str, concurrency: int, group: int) -> bool:
@@ -320,6 +328,8 @@ class Runner:
                 self._more_due = False  # until this batch says it took all it asked for
             else:
                 break
+        if self._busy() >= self.concurrency and self.free() == 0:
+            self._hand_back_waiting()
 
     def _ended(self, unit: _Unit) -> None:
         """A unit's thread is free: the next unit, and room for more work."""
@@ -391,9 +401,9 @@ class Runner:
                 outcome = Outcome(RunStatus.CANCELLED)
             else:
                 item.started = self.app.clock.now()
-                began = time.monotonic()
                 outcome = await execution.run()
-                self.policy.ran(item.task.name, time.monotonic() - began, batched=False)
+                if execution.handler_seconds is not None:
+                    self.policy.ran(item.task.name, execution.handler_seconds, batched=False)
                 item.started = execution.started or item.started
         except Exception as exc:
             if item.future is not None and not item.future.done():
@@ -490,6 +500,77 @@ class Runner:
         if self._leased and (self._renewer is None or self._renewer.done()):
             self._renewer = asyncio.create_task(self._renew_waiting())
 
+    # --- every thread long: what waits goes to other workers -------------------------------
+
+    def _hand_back_waiting(self) -> None:
+        """Every thread runs a straggler: what waits for one would wait for
+        a long handler to end.  Another worker should have it now — a lane
+        delivery through the broker (Broker.hand_back), a started job back
+        to the job table (its message acknowledged: published or claimed
+        again).  Kept: jobs with an ordering key (their line is here), and
+        everything on a worker of one thread (one line for all)."""
+        if self.concurrency == 1:
+            return
+        if self._hands_back:
+            self._release_held(everything=True)
+            waiting = [i for i in self._lane if i.delivery is not None]
+            self._lane = deque(i for i in self._lane if i.delivery is None)
+            for item in waiting:
+                task = asyncio.create_task(self._hand_back(item))
+                self._handing_back.add(task)
+                task.add_done_callback(self._handing_back.discard)
+        started = [i for i in self._leased if i.future is not None and i.rec is not None
+                   and not _keyed(i)]
+        if started:
+            self._leased = deque(i for i in self._leased if i not in started)
+            task = asyncio.create_task(self._give_back(started))
+            self._handing_back.add(task)
+            task.add_done_callback(self._handing_back.discard)
+
+    async def hand_back(self, delivery: Delivery) -> bool:
+        """Give ``delivery`` to the broker for another worker (every thread
+        here runs a long handler); False if the broker keeps what it
+        delivered (then it is known for the rest of this run) or failed."""
+        if not self._hands_back:
+            return False
+        try:
+            taken = await self.broker.hand_back(delivery)
+        except Exception as exc:
+            self._log.warning(f"hand-back:{kind_of(exc)}", "could not hand a job back to the "
+                              "broker (%s: %s); it runs here", type(exc).__name__, exc)
+            return False
+        if not taken:
+            self._hands_back = False
+            return False
+        self.outcomes.handed_back(1)
+        return True
+
+    async def _hand_back(self, item: Item) -> None:
+        assert item.delivery is not None
+        if not await self.hand_back(item.delivery):  # run it here after all
+            self._lane.appendleft(item)
+            self._dispatch()
+            return
+        self.outcomes.left(1)
+
+    async def _give_back(self, items: list[Item]) -> None:
+        records = [i.rec for i in items if i.rec is not None]
+        try:
+            await self.pools.db(self._unclaim, records)
+        except Exception as exc:  # they wait here for a thread instead
+            self._log.warning(f"give-back:{kind_of(exc)}", "could not give %d waiting jobs "
+                              "back (%s: %s); they run here", len(items), type(exc).__name__, exc)
+            self._leased.extendleft(reversed(items))
+            self._dispatch()
+            return
+        for item in items:
+            _settle(item, Outcome(RunStatus.RELEASED))
+        self.outcomes.handed_back(len(items))
+
+    def _unclaim(self, records: list[jobstore.JobRecord]) -> None:
+        with db_errors("give back"), self.app.engine.begin() as conn:
+            jobstore.unclaim_run(conn, records=records, now=self.app.clock.now())
+
     # --- the watchdog ----------------------------------------------------------------------
 
     def _watching(self) -> None:
@@ -511,6 +592,7 @@ class Runner:
                         running.item.task.name):
                     continue
                 unit.long = changed = True
+                self.policy.straggled()
                 if running.gate.begin_detach():
                     unit.detaching = asyncio.create_task(self._detach(unit.batch, running))
                 else:  # it wrote into the batch's transaction: the batch waits for it
@@ -628,6 +710,11 @@ class Runner:
 
     def __len__(self) -> int:
         return len(self._lane) + len(self._ahead)
+
+
+def _keyed(item: Item) -> bool:
+    headers = item.rec.headers if item.rec is not None else None
+    return bool(headers and headers.get(ORDERING_KEY_HEADER) not in (None, ""))
 
 
 def _settle(item: Item, outcome: Outcome) -> None:

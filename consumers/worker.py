@@ -94,6 +94,8 @@ class WorkerStats:
     # lost after they ran (consumers/batch.py says when that happens).
     reran: int = 0
     throttled: int = 0  # failures classed as throttled (the relay slows down on them)
+    # Jobs given to other workers: every thread here ran a long handler.
+    handed_back: int = 0
     discarded: Counter[str] = field(default_factory=Counter)
 
 
@@ -240,9 +242,8 @@ class Worker:
                 async for delivery in self.broker.consume(self.queues, self.prefetch,
                                                             wanted=self.wanted):
                     try:
-                        while self._in_hand >= self.wanted():
-                            self._room.clear()
-                            await self._room.wait()
+                        if not await self._room_for(delivery):
+                            continue  # handed to another worker
                     except asyncio.CancelledError:  # stopping: never handled here
                         self.broker.release(delivery)
                         raise
@@ -264,6 +265,21 @@ class Worker:
                 await asyncio.sleep(wait)
                 backoff = min(backoff * 2, 10.0)
 
+    async def _room_for(self, delivery: Delivery) -> bool:
+        """Wait until the worker wants another delivery in hand (True) — or,
+        while every thread of it runs a long handler, hand this one to
+        another worker at once instead of holding it until one ends (False:
+        handed back; a delivery with an ordering key keeps its place here)."""
+        while self._in_hand >= self.wanted():
+            if (self.runner.free() == 0 and self.concurrency > 1
+                    and (delivery.message is None
+                         or delivery.message.ordering_key() == delivery.message.id_text)
+                    and await self.runner.hand_back(delivery)):
+                return False
+            self._room.clear()
+            await self._room.wait()
+        return True
+
     def _spawn(self, delivery: Delivery, turn: Turn | None) -> None:
         t = asyncio.create_task(self._guarded(delivery, turn))
         self._tasks.add(t)
@@ -282,6 +298,7 @@ class Worker:
 
     def room(self) -> None:
         self._room.set()
+        self.broker.wanted_changed()
 
     def grouped(self, size: int) -> None:
         self.stats.grouped += size
@@ -289,6 +306,9 @@ class Worker:
 
     def reran(self, handlers: int) -> None:
         self.stats.reran += handlers
+
+    def handed_back(self, jobs: int) -> None:
+        self.stats.handed_back += jobs
 
     async def _guarded(self, delivery: Delivery, turn: Turn | None = None) -> None:
         try:

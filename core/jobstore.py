@@ -37,6 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.sql import Select, Update
 
 from .claims import lease
+from .db import NOTIFY_CHANNEL
 from .errors import LeaseLostError
 from .message import JobMessage
 from .records import ROW_COLUMNS, JobRecord, by_primary_key, open_attempts
@@ -46,9 +47,11 @@ from .tables import attempt, job
 
 
 def unclaim_run(conn: Connection, *, records: Sequence[JobRecord], now: datetime) -> int:
-    """Give back jobs a ``sql://`` worker claimed ahead and never handed over
-    (it is stopping): RUNNING → SCHEDULED as if never claimed, fenced by the
-    lease; their unopened attempts are removed."""
+    """Give back jobs a worker claimed or started and never ran (it is
+    stopping, or every thread of it runs a long handler): RUNNING →
+    SCHEDULED as if never claimed, fenced by the lease; their unopened
+    attempts are removed.  On PostgreSQL a NOTIFY wakes the relays and
+    ``sql://`` workers to take them at once."""
     total = 0
     for rec in records:
         moved = conn.execute(
@@ -59,6 +62,8 @@ def unclaim_run(conn: Connection, *, records: Sequence[JobRecord], now: datetime
         if moved and rec.attempt_id is not None:
             conn.execute(delete(attempt).where(attempt.c.id == rec.attempt_id))
         total += moved
+    if total and conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_notify(NOTIFY_CHANNEL, "")))
     return total
 
 
