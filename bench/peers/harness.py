@@ -91,13 +91,16 @@ def localstack(needed: bool) -> Iterator[str | None]:
 
 
 def _one(fn: Any, *args: Any, **kw: Any) -> dict[str, Any]:
-    t = time.monotonic()
+    """One workload's result, with its wall time and the load average (1 min)
+    at its start and end: on a shared machine, what to read its figures by."""
+    t, load = time.monotonic(), os.getloadavg()[0]
     try:
         out: dict[str, Any] = fn(*args, **kw)
     except Exception as exc:  # a peer that fails is reported, not dropped
         traceback.print_exc()
         out = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     out["wall_s"] = time.monotonic() - t
+    out["load"] = [load, os.getloadavg()[0]]
     return out
 
 
