@@ -75,7 +75,6 @@ sys.path.insert(0, str(HERE / "peers"))
 import record  # noqa: E402  (bench/peers, put on the path above)
 from cpu import group_pids  # noqa: E402
 from harness import kafka_mock, localstack  # noqa: E402
-from peer_cli import Job, spread_jobs  # noqa: E402
 from report import pct  # noqa: E402
 from resources import environment  # noqa: E402
 from systems import SYSTEMS, System  # noqa: E402
@@ -86,13 +85,6 @@ KILLS = ("command", "child", "relay-child")
 LEAD = 2.0  # s from the enqueue to the first due time, as workloads B and C
 BOUND_S = 5.0  # issue #32: every job within 5 s of due, a killed slow job within 5 s of the kill
 MARGIN = 0.2  # a slow job counts as running at the kill if it has this long still to sleep
-
-Key = tuple[str, str]  # a job as its record line names it: (tag, due as recorded)
-
-
-def key_of(tag: str, due: float) -> Key:
-    return tag, f"{due:017.6f}"
-
 
 @dataclass
 class Fleet:
@@ -159,18 +151,18 @@ class Kill:
     what: str
 
 
-def running_slow(rec: str, sleeps: dict[Key, float], now: float) -> Counter[int]:
+def running_slow(rec: str, sleeps: dict[record.Key, float], now: float) -> Counter[int]:
     """Per process, the slow jobs it runs at ``now`` with MARGIN still to go."""
     busy: Counter[int] = Counter()
     for x in record.read_lines(rec):
-        k = key_of(x.tag, x.due)
+        k = record.key(x.tag, x.due)
         if x.tag == record.SLOW and k in sleeps and x.started <= now < (
                 x.started + sleeps[k] - MARGIN):
             busy[x.pid] += 1
     return busy
 
 
-def kill(kind: str, fleet: Fleet, rec: str, sleeps: dict[Key, float]) -> Kill:
+def kill(kind: str, fleet: Fleet, rec: str, sleeps: dict[record.Key, float]) -> Kill:
     """SIGKILL what ``kind`` says, choosing the worker process (or command)
     that runs the most slow jobs now."""
     workers = fleet.workers()
@@ -219,24 +211,20 @@ def succeeded_twice(engine: sa.Engine) -> int:
         return int(conn.execute(sa.select(sa.func.count()).select_from(twice)).scalar_one())
 
 
-def measure(lines: list[record.Line], jobs: list[Job], k: Kill,
-            sleeps: dict[Key, float]) -> dict[str, Any]:
+def measure(lines: list[record.Line], expected: Counter[record.Key], k: Kill,
+            sleeps: dict[record.Key, float]) -> dict[str, Any]:
     """Lateness of every job's last start, the killed slow jobs' restarts,
     the repeats (see the module's docstring)."""
-    expected = Counter(key_of(record.tag_for(j.sleep), j.due) for j in jobs)
-    starts: dict[Key, list[float]] = {}
-    for x in lines:
-        starts.setdefault(key_of(x.tag, x.due), []).append(x.started)
+    starts = record.starts(lines)
     late: list[tuple[str, float, float]] = []  # tag, due, lateness (s)
     for key, n in expected.items():
-        late += [(key[0], float(key[1]), s - float(key[1]))
-                 for s in sorted(starts.get(key, []))[-n:]]
-    killed = Counter(key_of(x.tag, x.due) for x in lines
+        late += [(key[0], float(key[1]), s - float(key[1])) for s in starts.get(key, [])[-n:]]
+    killed = Counter(record.key(x.tag, x.due) for x in lines
                      if x.pid in k.pids and x.tag == record.SLOW
-                     and x.started <= k.at < x.started + sleeps[key_of(x.tag, x.due)])
+                     and x.started <= k.at < x.started + sleeps[record.key(x.tag, x.due)])
     again: list[float | None] = []
     for key, n in killed.items():
-        after = sorted(s - k.at for s in starts[key] if s > k.at)
+        after = [s - k.at for s in starts[key] if s > k.at]
         again += [after[i] if i < len(after) else None for i in range(n)]
     return {
         "late": late, "missing": sum(max(0, n - len(starts.get(key, [])))
@@ -264,9 +252,8 @@ def one_run(backend: str, ctx: Context, args: argparse.Namespace, kind: str,
             try:
                 note = warm_up(system, env, rec, fleet)
                 enq = _run(system, env, "enqueue", *shape.enqueue_args(LEAD, args.spread))
-                jobs = spread_jobs(enq["first_due"], shape.n, args.spread, shape.slow_every,
-                                   shape.slow, shape.burst, shape.burst_sleep, shape.burst_at)
-                sleeps = {key_of(record.SLOW, j.due): j.sleep for j in jobs if j.sleep}
+                jobs = shape.jobs(enq["first_due"], args.spread)
+                sleeps = {record.key(record.SLOW, j.due): j.sleep for j in jobs if j.sleep}
                 _poll("the kill time", lambda: time.time() >= enq["first_due"] + args.kill_after,
                       fleet, LEAD + args.kill_after + 30, interval=0.005)
                 k = kill(kind, fleet, rec, sleeps)
@@ -282,7 +269,7 @@ def one_run(backend: str, ctx: Context, args: argparse.Namespace, kind: str,
         lines = [x for x in record.read_lines(rec) if x.due > 0]
     finally:
         shutil.rmtree(rec, ignore_errors=True)
-    out = measure(lines, jobs, k, sleeps)
+    out = measure(lines, shape.expected(enq["first_due"], args.spread), k, sleeps)
     return {"backend": backend, "kill": kind, "killed": k.what,
             "kill_at_s": k.at - enq["first_due"], "jobs": len(jobs), "unfinished": left,
             "succeeded_twice": twice, "note": note, **out,

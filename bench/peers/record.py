@@ -62,6 +62,30 @@ class Line(NamedTuple):
     started: float
 
 
+Key = tuple[str, str]  # one job as its line names it: (tag, due as written)
+
+
+def key(tag: str, due: float) -> Key:
+    """Jobs of workload C have distinct due times but for the burst's, which
+    share one; ``key`` is exact where the float is not (it is the text)."""
+    return tag, f"{due:017.6f}"
+
+
+def starts(lines: list[Line]) -> dict[Key, list[float]]:
+    """Each job's starts, first first (more than one: its handler ran again)."""
+    out: dict[Key, list[float]] = {}
+    for x in sorted(lines, key=lambda x: x.started):
+        out.setdefault(key(x.tag, x.due), []).append(x.started)
+    return out
+
+
+def missing(directory: str, expected: dict[Key, int]) -> int:
+    """How many of the ``expected`` jobs (key: how many share it) have not
+    started yet."""
+    seen = starts(read_lines(directory))
+    return sum(max(0, n - len(seen.get(k, []))) for k, n in expected.items())
+
+
 def read_lines(directory: str) -> list[Line]:
     rows: list[Line] = []
     for entry in os.scandir(directory):

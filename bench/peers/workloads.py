@@ -28,13 +28,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import record
 from cpu import CpuMeter
+from peer_cli import Job, spread_jobs
 from resources import environment
 from systems import System
 
@@ -76,6 +78,16 @@ class Mixed:
 
     def with_burst(self, burst: int = 8) -> Mixed:
         return replace(self, burst=burst)
+
+    def jobs(self, first_due: float, spread: float) -> list[Job]:
+        """The jobs the enqueuer made of this shape (its ``first_due``)."""
+        return spread_jobs(first_due, self.n, spread, self.slow_every, self.slow,
+                           self.burst, self.burst_sleep, self.burst_at)
+
+    def expected(self, first_due: float, spread: float) -> Counter[record.Key]:
+        """Each job's record key: how many jobs share it (the burst's do)."""
+        return Counter(record.key(record.tag_for(j.sleep), j.due)
+                       for j in self.jobs(first_due, spread))
 
 
 def _command(system: System, process: str) -> list[str]:
@@ -143,12 +155,17 @@ def _run(system: System, env: dict[str, str], *args: str) -> dict[str, Any]:
 
 
 def _wait(directory: str, n: int, procs: Processes, timeout: float) -> None:
+    _until(lambda: max(0, n - record.count(directory)), n, procs, timeout)
+
+
+def _until(left: Callable[[], int], n: int, procs: Processes, timeout: float) -> None:
+    """Wait until ``left()`` (jobs not started) is 0."""
     deadline = time.monotonic() + timeout
-    while record.count(directory) < n:
+    while todo := left():
         procs.check()
         if time.monotonic() > deadline:
-            raise WorkloadError(f"{record.count(directory)} of {n} jobs ran in {timeout:.0f} s")
-        time.sleep(0.05)  # polling a file size: no event to wait on across processes
+            raise WorkloadError(f"{n - todo} of {n} jobs ran in {timeout:.0f} s")
+        time.sleep(0.05)  # polling files: no event to wait on across processes
 
 
 def _env(system: System, base: dict[str, str], aggressive: bool) -> dict[str, str]:
@@ -191,11 +208,15 @@ def throughput(system: System, ctx: Context, n: int, label: str) -> dict[str, ob
 
 
 def _spread(system: System, ctx: Context, label: str, enqueue: list[str], *,
-            aggressive: bool = False, warmup: int = 1, timeout: float
+            aggressive: bool = False, warmup: int = 1, timeout: float,
+            expected: Callable[[dict[str, Any]], Counter[record.Key]] | None = None
             ) -> tuple[list[record.Line], dict[str, Any], CpuMeter]:
     """Start the system, run ``warmup`` jobs due now, then ``enqueue ...``
     (jobs due ahead) and wait for every start: the measured lines (due > 0),
-    the enqueuer's JSON, and the CPU from just before the enqueue on."""
+    the enqueuer's JSON, and the CPU from just before the enqueue on.
+    ``expected(enqueuer's JSON)``: the jobs by key, to wait until each has
+    started (a handler that runs twice adds a line, so a count of lines
+    could end the wait before the last job started)."""
     rec = tempfile.mkdtemp(prefix="bench-peers-rec-")
     try:
         with environment(system, ctx.kafka, ctx.sqs, rec) as base:
@@ -209,7 +230,11 @@ def _spread(system: System, ctx: Context, label: str, enqueue: list[str], *,
                                  {name: p.pid for name, p in procs.procs})
                 meter.start()
                 enq = _run(system, env, "enqueue", *enqueue)
-                _wait(rec, warmup + int(enq["n"]), procs, timeout=timeout)
+                if expected is None:
+                    _wait(rec, warmup + int(enq["n"]), procs, timeout=timeout)
+                else:
+                    jobs = expected(enq)
+                    _until(lambda: record.missing(rec, jobs), int(enq["n"]), procs, timeout)
                 meter.stop()
             finally:
                 procs.stop()
@@ -234,11 +259,16 @@ def lateness(system: System, ctx: Context, n: int, aggressive: bool, label: str,
 
 def mixed(system: System, ctx: Context, shape: Mixed, label: str, lead: float = 2.0,
           spread: float = 10.0) -> dict[str, object]:
-    """Workload C: ``late_ms`` of the fast jobs, ``slow_late_ms`` of the slow."""
+    """Workload C: ``late_ms`` of the fast jobs, ``slow_late_ms`` of the
+    slow, each job's first start; ``repeats``: starts beyond one per job."""
     lines, enq, meter = _spread(system, ctx, label, shape.enqueue_args(lead, spread),
                                 warmup=shape.warmup,
-                                timeout=lead + spread + 90 + max(shape.slow, shape.burst_sleep))
-    fast = _late_ms([x for x in lines if x.tag != record.SLOW])
-    slow = _late_ms([x for x in lines if x.tag == record.SLOW])
-    return {"late_ms": fast, "slow_late_ms": slow, "ran": len(lines), "slow_jobs": enq["slow"],
-            "cpu": meter.per_job(len(lines))}
+                                timeout=lead + spread + 90 + max(shape.slow, shape.burst_sleep),
+                                expected=lambda e: shape.expected(e["first_due"], spread))
+    seen = record.starts(lines)
+    late: dict[str, list[float]] = {"": [], record.SLOW: []}
+    for (tag, due), n in shape.expected(enq["first_due"], spread).items():
+        late[tag] += [round((s - float(due)) * 1000, 3) for s in seen[(tag, due)][:n]]
+    return {"late_ms": sorted(late[""]), "slow_late_ms": sorted(late[record.SLOW]),
+            "ran": len(lines), "repeats": len(lines) - int(enq["n"]), "slow_jobs": enq["slow"],
+            "cpu": meter.per_job(int(enq["n"]))}
