@@ -68,7 +68,7 @@ class Mixed:
     burst: int = 0
     burst_sleep: float = 1.5
     burst_at: float = 1.0
-    warmup: int = 20
+    warmup: int = 20  # as issue #32 measured: both worker processes have run jobs
 
     def enqueue_args(self, lead: float, spread: float) -> list[str]:
         return ["--n", str(self.n), "--lead", str(lead), "--spread", str(spread),
