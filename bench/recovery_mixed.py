@@ -273,7 +273,10 @@ def one_run(backend: str, ctx: Context, args: argparse.Namespace, kind: str,
     return {"backend": backend, "kill": kind, "killed": k.what,
             "kill_at_s": k.at - enq["first_due"], "jobs": len(jobs), "unfinished": left,
             "succeeded_twice": twice, "note": note, **out,
-            **summary(out["late"], out["killed_slow_again_s"])}
+            **summary(out["late"], out["killed_slow_again_s"]),
+            # each job: tag, due time from the first due, lateness (s)
+            "late": [(t, round(d - enq["first_due"], 3) + 0.0, round(x, 4))
+                     for t, d, x in out["late"]]}
 
 
 def summary(late: list[tuple[str, float, float]], again: list[float | None]) -> dict[str, Any]:
@@ -343,7 +346,8 @@ def main() -> int:
     print("\n" + HEADER)
     print("\n".join(row(r) for r in results))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        args.json.write_text("[\n" + ",\n".join(json.dumps(r, separators=(",", ":"))
+                                                  for r in results) + "\n]\n")
     if not args.logs:
         shutil.rmtree(logs, ignore_errors=True)
     return 1 if any(r["early"] or r["succeeded_twice"] or r["unfinished"] for r in results) else 0
