@@ -15,6 +15,9 @@ are checked and printed; a run that breaks one exits 1.
 LocalStack (SQS) and a Kafka must be listening where DUEBOX_TEST_SQS_ENDPOINT
 and DUEBOX_TEST_KAFKA say (e.g. http://127.0.0.1:4566 and 127.0.0.1:19092,
 localstack/start.sh and tests/services/kafka_mock.py start): tests/backends.py.
+
+With slow jobs among fast ones, through the real ``duebox relay`` and
+``duebox worker`` commands (issue #32): bench/recovery_mixed.py.
 """
 
 from __future__ import annotations

@@ -56,7 +56,9 @@ def _read(path: str) -> str:
         return ""
 
 
-def _group_pids(pgids: set[int]) -> list[int]:
+def group_pids(pgids: set[int]) -> list[int]:
+    """Every process of these process groups: a command the harness started
+    in a session of its own and all it started (a supervisor's children)."""
     out = []
     for pid in _pids():
         try:
@@ -102,7 +104,7 @@ class CpuMeter:
     def start(self) -> None:
         self._before = {pid: _ticks(pid) for pid in
                         [*_broker_pids(self.broker), *_pg_shared_pids(),
-                         *_group_pids(set(self.pgids.values()))]}
+                         *group_pids(set(self.pgids.values()))]}
 
     def _delta(self, pids: Iterable[int]) -> float:
         return sum(max(0, _ticks(p) - self._before.get(p, 0)) for p in set(pids)) / _TICK
@@ -110,7 +112,7 @@ class CpuMeter:
     def stop(self) -> None:
         # Backends that connected after start() began at zero: all of their
         # time belongs to the run.
-        self.by_process_s = {name: self._delta(_group_pids({pgid}))
+        self.by_process_s = {name: self._delta(group_pids({pgid}))
                              for name, pgid in self.pgids.items()}
         self.own_s = sum(self.by_process_s.values())
         self.database_s = self._delta([*_pg_backends(self.pg_url), *_pg_shared_pids()])

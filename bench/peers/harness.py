@@ -1,6 +1,10 @@
-"""Runs every selected system through both workloads, interleaved: run 1 of
-every system, then run 2 of every system..., so load from the rest of this
-shared machine falls on all alike.  Writes results.json, then RESULTS.md."""
+"""Runs every selected system through the selected workloads, interleaved:
+run 1 of every system, then run 2 of every system..., so load from the rest
+of this shared machine falls on all alike.  Writes results.json, then
+RESULTS.md.
+
+results.json keeps each run's figures per system under the workload's key:
+``A``, ``B`` (and ``B_fast``, ``B_aggr``), ``C`` and ``C_burst``."""
 
 from __future__ import annotations
 
@@ -36,13 +40,17 @@ SQS = os.environ.get("BENCH_SQS_ENDPOINT", "http://127.0.0.1:4566")
 
 
 @contextmanager
-def kafka_mock(needed: bool) -> Iterator[str | None]:
-    """A Kafka mock of the harness's own (the tests' one may come and go)."""
+def kafka_mock(needed: bool, port: int = KAFKA_PORT,
+               fix_sync_group: bool = False) -> Iterator[str | None]:
+    """A Kafka mock of the harness's own (the tests' one may come and go);
+    ``fix_sync_group``: with librdkafka's late-SyncGroup answer fixed, as
+    the soak and the crash measurements run it (tests/recovery_scenario.py)."""
     if not needed:
         yield None
         return
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "services" / "kafka_mock.py"),
-                             "run", "--port", str(KAFKA_PORT)],
+                             "run", "--port", str(port),
+                             *(["--fix-sync-group"] if fix_sync_group else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
@@ -83,14 +91,46 @@ def localstack(needed: bool) -> Iterator[str | None]:
 
 
 def _one(fn: Any, *args: Any, **kw: Any) -> dict[str, Any]:
-    t = time.monotonic()
+    """One workload's result, with its wall time and the load average (1 min)
+    at its start and end: on a shared machine, what to read its figures by."""
+    t, load = time.monotonic(), os.getloadavg()[0]
     try:
         out: dict[str, Any] = fn(*args, **kw)
     except Exception as exc:  # a peer that fails is reported, not dropped
         traceback.print_exc()
         out = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     out["wall_s"] = time.monotonic() - t
+    out["load"] = [load, os.getloadavg()[0]]
     return out
+
+
+def _shape(args: argparse.Namespace) -> workloads.Mixed:
+    """Workload C's shape; C-burst is ``.with_burst()`` of it."""
+    return workloads.Mixed(n=args.mixed_jobs)
+
+
+def run_one(s: System, ctx: workloads.Context, args: argparse.Namespace,
+            label: str) -> dict[str, Any]:
+    """One run of one system: each selected workload, in fresh resources."""
+    res: dict[str, Any] = {}
+    if "A" in args.workloads:
+        res["A"] = _one(workloads.throughput, s, ctx, args.jobs, label + "-A")
+    if "B" in args.workloads:
+        res["B"] = _one(workloads.lateness, s, ctx, args.late_jobs, False,
+                        label + "-B", spread=args.spread)
+        if args.fast_late_jobs:
+            res["B_fast"] = _one(workloads.lateness, s, ctx, args.fast_late_jobs, False,
+                                 label + "-Bf", spread=args.spread)
+        if s.aggressive is not None:
+            res["B_aggr"] = _one(workloads.lateness, s, ctx, args.late_jobs, True,
+                                 label + "-Bx", spread=args.spread)
+    shape = _shape(args)
+    if "C" in args.workloads:
+        res["C"] = _one(workloads.mixed, s, ctx, shape, label + "-C", spread=args.spread)
+    if "C-burst" in args.workloads:
+        res["C_burst"] = _one(workloads.mixed, s, ctx, shape.with_burst(), label + "-Cb",
+                              spread=args.spread)
+    return res
 
 
 def run_all(args: argparse.Namespace, argv: list[str]) -> None:
@@ -114,7 +154,9 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> None:
         "command": "python bench/peers/run.py " + " ".join(argv),
         "settings": {"runs": args.runs, "jobs": args.jobs, "late_jobs": args.late_jobs,
                      "fast_late_jobs": args.fast_late_jobs,
-                     "spread": args.spread, "lead": 2.0},
+                     "spread": args.spread, "lead": 2.0, "workloads": list(args.workloads),
+                     "mixed": {"C": _shape(args).__dict__,
+                               "C_burst": _shape(args).with_burst().__dict__}},
         "systems": [s.__dict__ for s in systems],
         "machine": machine.describe(), "runs": [], "profiles": {}, "note": args.note,
     }
@@ -126,23 +168,13 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> None:
         for r in range(0 if args.profile_only else args.runs):
             run: dict[str, Any] = {"load_start": os.getloadavg(), "results": {}}
             for s in systems:
-                res: dict[str, Any] = {}
-                label = f"r{r}-{s.name}"
-                res["A"] = _one(workloads.throughput, s, ctx, args.jobs, label + "-A")
-                res["B"] = _one(workloads.lateness, s, ctx, args.late_jobs, False,
-                                label + "-B", spread=args.spread)
-                if args.fast_late_jobs:
-                    res["B_fast"] = _one(workloads.lateness, s, ctx, args.fast_late_jobs, False,
-                                         label + "-Bf", spread=args.spread)
-                if s.aggressive is not None:
-                    res["B_aggr"] = _one(workloads.lateness, s, ctx, args.late_jobs, True,
-                                         label + "-Bx", spread=args.spread)
+                res = run_one(s, ctx, args, f"r{r}-{s.name}")
                 run["results"][s.name] = res
                 print(f"run {r + 1}/{args.runs} {s.name}: " + report.one_line(res),
                       file=sys.stderr, flush=True)
             run["load_end"] = os.getloadavg()
             data["runs"].append(run)
-        if not args.no_profile:
+        if not args.no_profile and "A" in args.workloads:  # the profile is workload A's
             data["profiles"] = profile_pass(systems, ctx, args.jobs, logs)
     data["wall_s"] = time.monotonic() - t_start
     data["finished"] = datetime.now(UTC).isoformat(timespec="seconds")

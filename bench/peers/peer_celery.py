@@ -4,7 +4,9 @@ Worker: ``celery -A peer_celery worker`` — its defaults: prefork pool,
 concurrency = number of CPUs.  Delayed jobs: ``apply_async(countdown=...)``;
 the worker receives them at once and holds them on its timer, so there is
 no polling setting to tighten.  Celery has no batch publish: one
-``apply_async`` per job.
+``apply_async`` per job.  The one task, ``noop``, records its start and
+then sleeps for its ``sleep`` argument (workload C's slow jobs), in the pool
+child that runs it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import sys
 import time
 
 from celery import Celery
-from peer_cli import main
-from record import record
+from peer_cli import Job, main
+from record import record, tag_for
 
 BROKER = os.environ.get("BENCH_BROKER", "redis")
 PREFIX = os.environ.get("BENCH_PREFIX", "bench")
@@ -29,17 +31,19 @@ if BROKER == "redis":  # every key of this run under its own prefix
 
 
 @app.task(name="noop")  # type: ignore[untyped-decorator]  # Celery ships no types
-def noop(due: float) -> None:
-    record(due)
+def noop(due: float, sleep: float = 0.0) -> None:
+    record(due, tag_for(sleep))
+    if sleep:
+        time.sleep(sleep)
 
 
-def enqueue(dues: list[float], delayed: bool) -> str:
+def enqueue(jobs: list[Job], delayed: bool) -> str:
     if delayed:
-        for due in dues:
-            noop.apply_async(args=(due,), countdown=max(0.0, due - time.time()))
+        for j in jobs:
+            noop.apply_async(args=j.args, countdown=max(0.0, j.due - time.time()))
     else:
-        for due in dues:
-            noop.apply_async(args=(due,))
+        for j in jobs:
+            noop.apply_async(args=j.args)
     return "apply_async per job (no batch API)"
 
 

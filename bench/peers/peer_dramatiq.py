@@ -6,7 +6,9 @@ Dramatiq's default 8 threads and its default ``worker_timeout`` of 1000 ms;
 BENCH_AGGRESSIVE=1 sets 100 ms (how long a consumer waits for a message
 before it looks at its delay queue again).
 Delayed jobs: ``send_with_options(delay=ms)``, rounded up to whole ms.
-Dramatiq has no batch enqueue: one ``send`` per job.
+Dramatiq has no batch enqueue: one ``send`` per job.  The one actor,
+``noop``, records its start and then sleeps for its ``sleep`` argument
+(workload C's slow jobs) in the worker thread that runs it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import threading
 import time
 
 import dramatiq
-from peer_cli import aggressive, main
-from record import record
+from peer_cli import Job, aggressive, main
+from record import record, tag_for
 
 BROKER = os.environ.get("BENCH_BROKER", "redis")
 PREFIX = os.environ.get("BENCH_PREFIX", "bench")
@@ -38,18 +40,20 @@ dramatiq.set_broker(broker)
 
 
 @dramatiq.actor(actor_name="noop", queue_name="bench", max_retries=0)
-def noop(due: float) -> None:
-    record(due)
+def noop(due: float, sleep: float = 0.0) -> None:
+    record(due, tag_for(sleep))
+    if sleep:
+        time.sleep(sleep)
 
 
-def enqueue(dues: list[float], delayed: bool) -> str:
+def enqueue(jobs: list[Job], delayed: bool) -> str:
     if delayed:
-        for due in dues:
-            noop.send_with_options(args=(due,),
-                                   delay=max(0, math.ceil((due - time.time()) * 1000)))
+        for j in jobs:
+            noop.send_with_options(args=j.args,
+                                   delay=max(0, math.ceil((j.due - time.time()) * 1000)))
     else:
-        for due in dues:
-            noop.send(due)
+        for j in jobs:
+            noop.send(*j.args)
     return "send per job (no batch API)"
 
 

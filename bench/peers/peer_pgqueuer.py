@@ -3,7 +3,10 @@
 Worker: ``PgQueuer.run()`` with the defaults of ``pgq run`` (batch size 10,
 dequeue timeout 30 s); BENCH_AGGRESSIVE=1: dequeue timeout 0.1 s.
 Delayed jobs: ``execute_after=timedelta``.  Batch API: ``Queries.enqueue``
-with lists, 1,000 jobs a call.
+with lists, 1,000 jobs a call.  The one entrypoint, ``noop`` (async, as
+pgqueuer's are), records its start and then awaits ``asyncio.sleep`` for the
+seconds its payload gives after the due time, if any (workload C's slow
+jobs: a slow call awaited, as an async handler waits).
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ import time
 from datetime import timedelta
 
 import asyncpg
-from peer_cli import aggressive, main
+from peer_cli import Job, aggressive, main
 from pgqueuer import AsyncpgDriver, PgQueuer
-from pgqueuer.models import Job
+from pgqueuer.models import Job as PgJob
 from pgqueuer.queries import Queries
-from record import record
+from record import record, tag_for
 
 PG = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -28,8 +31,12 @@ async def create() -> PgQueuer:
     pgq = PgQueuer(AsyncpgDriver(await asyncpg.connect(PG)))
 
     @pgq.entrypoint("noop")
-    async def noop(job: Job) -> None:
-        record(float(job.payload or b"0"))
+    async def noop(job: PgJob) -> None:
+        due, *rest = (job.payload or b"0").split()  # b"due" or b"due sleep"
+        sleep = float(rest[0]) if rest else 0.0
+        record(float(due), tag_for(sleep))
+        if sleep:
+            await asyncio.sleep(sleep)
 
     return pgq
 
@@ -42,22 +49,24 @@ async def _setup() -> None:
         await conn.close()
 
 
-async def _enqueue(dues: list[float], delayed: bool) -> None:
+async def _enqueue(jobs: list[Job], delayed: bool) -> None:
     conn = await asyncpg.connect(PG)
     try:
         q = Queries(AsyncpgDriver(conn))
-        for i in range(0, len(dues), 1000):
-            chunk = dues[i:i + 1000]
+        for i in range(0, len(jobs), 1000):
+            chunk = jobs[i:i + 1000]
             now = time.time()
-            after = [timedelta(seconds=max(0.0, d - now)) if delayed else None for d in chunk]
-            await q.enqueue(["noop"] * len(chunk), [repr(d).encode() for d in chunk],
+            after = [timedelta(seconds=max(0.0, j.due - now)) if delayed else None
+                     for j in chunk]
+            await q.enqueue(["noop"] * len(chunk),
+                            [" ".join(map(repr, j.args)).encode() for j in chunk],
                             [0] * len(chunk), after)
     finally:
         await conn.close()
 
 
-def enqueue(dues: list[float], delayed: bool) -> str:
-    asyncio.run(_enqueue(dues, delayed))
+def enqueue(jobs: list[Job], delayed: bool) -> str:
+    asyncio.run(_enqueue(jobs, delayed))
     return "Queries.enqueue with lists, 1,000 a call"
 
 

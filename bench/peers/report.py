@@ -31,28 +31,54 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, max(0, round(p / 100 * len(values) + 0.5) - 1))]
 
 
+MIXED = (("C", "C"), ("C_burst", "C-burst"))  # workload C's forms: results key, name
+LATE_MS = 500  # workload C: a fast job later than this counts as held back
+
+
 def lateness_stats(late: list[float]) -> dict[str, float]:
     return {"p50": pct(late, 50), "p99": pct(late, 99), "max": late[-1],
             "early": float(sum(1 for x in late if x < 0))}
 
 
+def stats(res: dict[str, Any]) -> dict[str, float]:
+    """A lateness result's figures; for workload C, of the fast jobs
+    (``late_ms``), with the slow jobs' (``slow_late_ms``) and early starts
+    of both."""
+    out = lateness_stats(res["late_ms"])
+    slow = res.get("slow_late_ms")
+    if slow is not None:
+        out["over"] = float(sum(1 for x in res["late_ms"] if x > LATE_MS))
+        out["fast"] = float(len(res["late_ms"]))
+        out["repeats"] = float(res.get("repeats", 0))
+        out["early"] += sum(1 for x in slow if x < 0)
+        if slow:
+            out["slow_p50"], out["slow_max"] = pct(slow, 50), slow[-1]
+        if "cpu" in res:
+            out["cpu_own"], out["cpu_total"] = res["cpu"]["own_ms"], res["cpu"]["total_ms"]
+    return out
+
+
+def _one_throughput(a: dict[str, Any]) -> str:
+    return (f"A enqueue {a['enqueue_rate']:,.0f}/s process {a['process_rate']:,.0f}/s"
+            + ("" if "cpu" not in a else
+               " cpu/job ms: " + " ".join(f"{k[:-3]} {v:.2f}" for k, v in a["cpu"].items())))
+
+
 def one_line(res: dict[str, Any]) -> str:
     parts = []
-    a = res.get("A", {})
-    parts.append(f"A {a['error']}" if "error" in a else
-                 f"A enqueue {a['enqueue_rate']:,.0f}/s process {a['process_rate']:,.0f}/s"
-                 + ("" if "cpu" not in a else
-                    " cpu/job ms: " + " ".join(f"{k[:-3]} {v:.2f}" for k, v in a["cpu"].items())))
-    for key in ("B", "B_fast", "B_aggr"):
-        b = res.get(key)
-        if b is None:
-            continue
-        if "error" in b:
-            parts.append(f"{key} {b['error']}")
+    for key, r in res.items():
+        if "error" in r:
+            parts.append(f"{key} {r['error']}")
+        elif key == "A":
+            parts.append(_one_throughput(r))
         else:
-            s = lateness_stats(b["late_ms"])
+            s = stats(r)
             parts.append(f"{key} p50 {s['p50']:.1f} p99 {s['p99']:.1f} max {s['max']:.1f} "
-                         f"early {s['early']:.0f}")
+                         f"early {s['early']:.0f}"
+                         + ("" if "over" not in s else
+                            f" >{LATE_MS}ms {s['over']:.0f}/{s['fast']:.0f}"
+                            f" slow p50 {s.get('slow_p50', 0):.1f} max {s.get('slow_max', 0):.1f}"
+                            f" repeats {s['repeats']:.0f} cpu/job {s.get('cpu_total', 0):.2f} ms"))
     return "; ".join(parts)
 
 
@@ -69,8 +95,9 @@ class Table:
             res = run["results"].get(system, {}).get(workload)
             if res is None or "error" in res:
                 continue
-            if field in ("p50", "p99", "max", "early"):
-                out.append(lateness_stats(res["late_ms"])[field])
+            if "late_ms" in res:
+                if field in (figures := stats(res)):
+                    out.append(figures[field])
             else:
                 out.append(float(res[field]))
         return out
@@ -199,6 +226,98 @@ def lateness_table(t: Table) -> list[str]:
     return lines
 
 
+# Per backend: duebox's system and its peers on the same servers (the Summary's rows).
+PEERS_ON = (("pg", "duebox-sql", ("pgqueuer", "procrastinate")),
+            ("redis", "duebox-redis", ("celery-redis", "dramatiq-redis", "dramatiq-redis-1p")),
+            ("amqp", "duebox-amqp", ("celery-amqp", "dramatiq-amqp", "dramatiq-amqp-1p")))
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{v:,.1f}"
+
+
+def _ms2(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+def mixed_table(t: Table) -> list[str]:
+    """Workload C, both forms: the fast jobs' lateness, the slow ones', CPU."""
+    lines = [f"| system | backend | form | fast p50 ms | fast p99 ms | fast max ms "
+             f"| fast > {LATE_MS} ms | slow p50 / max ms | early | started twice "
+             "| CPU ms/job (own / total) |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for s in _systems(t.data):
+        name = s["name"]
+        for key, form in MIXED:
+            if not any(key in run["results"].get(name, {}) for run in t.runs):
+                continue
+            def med(field: str, name: str = name, key: str = key) -> float | None:
+                return t.median(name, key, field)
+
+            fast = "—" if (n := med("fast")) is None else f"{n:,.0f}"
+            lines.append(
+                f"| {name} | {BACKEND[s['broker']]} | {form} "
+                f"| {fmt(t.values(name, key, 'p50'), digits=1)} "
+                f"| {fmt(t.values(name, key, 'p99'), digits=1)} "
+                f"| {fmt(t.values(name, key, 'max'), digits=1)} "
+                f"| {fmt(t.values(name, key, 'over'))} of {fast} "
+                f"| {_ms(med('slow_p50'))} / {_ms(med('slow_max'))} "
+                f"| {fmt(t.values(name, key, 'early'))} | {fmt(t.values(name, key, 'repeats'))} "
+                f"| {_ms2(med('cpu_own'))} / {_ms2(med('cpu_total'))} |")
+    return lines
+
+
+def best_peer(t: Table, peers: tuple[str, ...], key: str) -> str | None:
+    """The peer whose fast jobs' p99 (then max) is lowest in this run."""
+    ranked = [(p99, t.median(p, key, "max") or 0.0, p) for p in peers
+              if (p99 := t.median(p, key, "p99")) is not None]
+    return min(ranked)[2] if ranked else None
+
+
+def mixed_summary(t: Table) -> list[str]:
+    """Issue #32's headline: duebox's fast jobs beside the best peer's."""
+    out = ["| backend | form | duebox fast p99 / max ms | best peer | its fast p99 / max ms "
+           "| duebox ÷ best peer (p99 / max) |", "| --- | --- | ---: | --- | ---: | ---: |"]
+    for broker, own, peers in PEERS_ON:
+        for key, form in MIXED:
+            p99, mx = t.median(own, key, "p99"), t.median(own, key, "max")
+            best = best_peer(t, peers, key)
+            if p99 is None and best is None:
+                continue
+            b99 = t.median(best, key, "p99") if best else None
+            bmx = t.median(best, key, "max") if best else None
+            out.append(f"| {BACKEND[broker]} | {form} | {_ms(p99)} / {_ms(mx)} "
+                       f"| {best or '—'} | {_ms(b99)} / {_ms(bmx)} "
+                       f"| {ratio(p99, b99)} / {ratio(mx, bmx)} |")
+    return out
+
+
+def mixed_targets(t: Table, line: Any) -> None:
+    """Issue #32: fast p99 <= 20 ms and max <= 250 ms on sql://, Redis and
+    RabbitMQ, no early start, ahead of every peer in the same run."""
+    names = {x["name"] for x in _systems(t.data)}
+    peers = [n for _, _, ps in PEERS_ON for n in ps if n in names]
+    for _, d, _ in PEERS_ON:
+        for key, form in MIXED:
+            p99, mx = t.median(d, key, "p99"), t.median(d, key, "max")
+            if d not in names or not any(key in r["results"].get(d, {}) for r in t.runs):
+                continue
+            if p99 is None or mx is None:
+                line(None, f"(issue #32) {d} workload {form}: no result "
+                           f"({'; '.join(t.errors(d, key))})")
+                continue
+            early = sum(t.values(d, key, "early"))
+            theirs = [(p, p99_, mx_) for p in peers if (p99_ := t.median(p, key, "p99"))
+                      is not None and (mx_ := t.median(p, key, "max")) is not None]
+            behind = [p for p, a, b in theirs if p99 >= a or mx >= b]
+            ahead = (f"not of {', '.join(behind)}" if behind else "yes" if theirs
+                     else "no peer measured")
+            line(p99 <= 20 and mx <= 250 and early == 0 and not behind,
+                 f"(issue #32) {d} workload {form}, fast jobs: p99 {p99:,.1f} ms (≤ 20), "
+                 f"max {mx:,.1f} ms (≤ 250), early {early:.0f} (= 0), ahead of every peer's "
+                 f"p99 and max: {ahead}")
+
+
 def targets(t: Table) -> list[str]:
     names = {x["name"] for x in _systems(t.data)}
     out = []
@@ -207,7 +326,7 @@ def targets(t: Table) -> list[str]:
         out.append(f"- **{'PASS' if ok else 'MISS' if ok is not None else 'N/A'}** — {text}")
 
     for d in ("duebox-sql", "duebox-redis", "duebox-amqp", "duebox-kafka"):
-        if d not in names:
+        if d not in names or "B" not in _ran(t.data):
             continue
         for key, label in (("B", "default settings"), ("B_aggr", "aggressive polling")):
             p50, p99 = t.median(d, key, "p50"), t.median(d, key, "p99")
@@ -250,6 +369,7 @@ def targets(t: Table) -> list[str]:
         if e is not None:
             line(e >= 20_000, f"{d} enqueue (app.schedule_many in one transaction) "
                  f"{e:,.0f} jobs/s ≥ 20,000")
+    mixed_targets(t, line)
     return out
 
 
@@ -283,41 +403,38 @@ def profile_section(data: dict[str, Any]) -> list[str]:
     return out
 
 
-def write(data: dict[str, Any]) -> None:
-    t = Table(data)
-    m, st = data["machine"], data["settings"]
-    loads = "; ".join(f"run {i + 1}: {r['load_start'][0]:.2f} → {r['load_end'][0]:.2f}"
-                      for i, r in enumerate(data["runs"]))
-    errors = [f"- {s['name']} {w}: {e}" for s in _systems(data)
-              for w in ("A", "B", "B_fast", "B_aggr") for e in t.errors(s["name"], w)]
-    lines = [
-        "# duebox and its peers, side by side (issue #8)",
-        "",
-        f"Measured {data['started']} → {data['finished']} UTC, wall time "
-        f"{data['wall_s'] / 60:.1f} min, {len(data['runs'])} run(s); each cell is the "
-        "median of the runs with the range (min–max) in brackets.  Command:",
-        "",
-        "```sh",
-        data["command"],
-        "python bench/peers/run.py --quick       # 2,000 + 100 jobs, 1 run: checks the harness",
-        "python bench/peers/run.py --report-only # re-render this file from results.json",
-        "```",
-        "",
-        *([data["note"], ""] if data.get("note") else []),
-        "**Noise.** This machine has "
-        f"{m['nproc']} CPUs and was shared with other work while this ran (load average, "
-        f"1 min, at the start → end of each run: {loads}).  Servers, enqueuer, worker and "
-        "relay all share those CPUs; read differences under ~20 % as noise.",
-        "",
-        "## Summary (issue #20)",
-        "",
-        "Workload A's processing jobs/s, medians of the runs.",
-        "",
-        *summary_table(t),
-        "",
+def _ran(data: dict[str, Any]) -> list[str]:
+    """The workloads this run measured (results.json before #32: A and B)."""
+    return list(data["settings"].get("workloads", ["A", "B"]))
+
+
+def _not_run(title: str) -> list[str]:
+    return [title, "", "Not run (`--workloads`).", ""]
+
+
+def summary_section(t: Table) -> list[str]:
+    ran = _ran(t.data)
+    out = []
+    if "C" in ran or "C-burst" in ran:
+        out += ["## Summary (issue #32): a slow handler never holds a fast job back", "",
+                "Workload C: the fast jobs' start lateness, duebox beside the best peer on "
+                "the same servers (the lowest fast-job p99), medians of the runs; ratio < 1: "
+                "duebox's fast jobs start closer to their due time.", "",
+                *mixed_summary(t), ""]
+    if "A" in ran:
+        out += ["## Summary (issue #20)", "", "Workload A's processing jobs/s, medians of "
+                "the runs.", "", *summary_table(t), ""]
+    return out
+
+
+def throughput_section(t: Table) -> list[str]:
+    if "A" not in _ran(t.data):
+        return _not_run("## Workload A — throughput")
+    return [
         "## Workload A — throughput",
         "",
-        f"{st['jobs']:,} no-op jobs due now are enqueued with the worker stopped (timed in "
+        f"{t.data['settings']['jobs']:,} no-op jobs due now are enqueued with the worker "
+        "stopped (timed in "
         "the enqueuing process, connection included); then the system's worker starts "
         "with its defaults (duebox and Dramatiq: one process per CPU, Celery: a prefork pool "
         "of one child per CPU, pgqueuer and procrastinate: one process; the `-1p` rows: "
@@ -340,6 +457,14 @@ def write(data: dict[str, Any]) -> None:
         "",
         *cpu_table(t),
         "",
+    ]
+
+
+def lateness_section(t: Table) -> list[str]:
+    if "B" not in _ran(t.data):
+        return _not_run("## Workload B — lateness")
+    st = t.data["settings"]
+    return [
         "## Workload B — lateness",
         "",
         f"{st['late_jobs']:,} (and, at speed, {st.get('fast_late_jobs') or 0:,}) no-op jobs "
@@ -361,6 +486,72 @@ def write(data: dict[str, Any]) -> None:
         "only when `fetch_max_wait_ms` expires: duebox's default 500 ms shows directly in "
         "its default-settings lateness; a real Kafka answers as soon as data arrives.",
         "",
+    ]
+
+
+def mixed_section(t: Table) -> list[str]:
+    ran = _ran(t.data)
+    if "C" not in ran and "C-burst" not in ran:
+        return _not_run("## Workload C — mixed durations")
+    st = t.data["settings"]
+    c, burst = st["mixed"]["C"], st["mixed"]["C_burst"]
+    return [
+        "## Workload C — mixed durations",
+        "",
+        f"As workload B, one task, {c['n']:,} jobs due at distinct times spread evenly over "
+        f"{st['spread']:g} s from {st['lead']:g} s after the enqueue starts, the worker "
+        f"already running and warmed up ({c['warmup']} jobs run); but every "
+        f"{c['slow_every']}th job is slow: its handler records its start, then sleeps "
+        f"{c['slow']:g} s (the peers' async handlers, pgqueuer's and procrastinate's, await "
+        "`asyncio.sleep`); the rest are the no-op.  **C-burst** adds "
+        f"{burst['burst']} slow jobs of {burst['burst_sleep']:g} s all due at one instant "
+        f"{burst['burst_at']:g} s "
+        "into the spread, among the fast ones (fewer than duebox's and Dramatiq's default "
+        "threads, 2 processes × 8 here; the peers at their defaults).  Every system at its "
+        "defaults.  Lateness = handler start − due time, of the fast jobs, and apart of the "
+        f"slow ones; fast > {LATE_MS} ms: fast jobs held back (of all fast jobs); early: "
+        "fast and slow jobs started before their due time (must be 0); each job's lateness is "
+        "its first start's, and started twice counts the handler starts beyond one per job "
+        "(without a fault: should be 0).  CPU ms per job: as "
+        "workload A's (bench/peers/cpu.py), from just before the enqueue to the last start, "
+        "over all jobs of the form.",
+        "",
+        *mixed_table(t),
+        "",
+    ]
+
+
+def write(data: dict[str, Any]) -> None:
+    t = Table(data)
+    m = data["machine"]
+    loads = "; ".join(f"run {i + 1}: {r['load_start'][0]:.2f} → {r['load_end'][0]:.2f}"
+                      for i, r in enumerate(data["runs"]))
+    errors = [f"- {s['name']} {w}: {e}" for s in _systems(data)
+              for w in ("A", "B", "B_fast", "B_aggr", "C", "C_burst")
+              for e in t.errors(s["name"], w)]
+    lines = [
+        "# duebox and its peers, side by side (issue #8)",
+        "",
+        f"Measured {data['started']} → {data['finished']} UTC, wall time "
+        f"{data['wall_s'] / 60:.1f} min, {len(data['runs'])} run(s); each cell is the "
+        "median of the runs with the range (min–max) in brackets.  Command:",
+        "",
+        "```sh",
+        data["command"],
+        "python bench/peers/run.py --quick       # 2,000 + 100 jobs, 1 run: checks the harness",
+        "python bench/peers/run.py --report-only # re-render this file from results.json",
+        "```",
+        "",
+        *([data["note"], ""] if data.get("note") else []),
+        "**Noise.** This machine has "
+        f"{m['nproc']} CPUs and was shared with other work while this ran (load average, "
+        f"1 min, at the start → end of each run: {loads}).  Servers, enqueuer, worker and "
+        "relay all share those CPUs; read differences under ~20 % as noise.",
+        "",
+        *summary_section(t),
+        *throughput_section(t),
+        *lateness_section(t),
+        *mixed_section(t),
         "## Targets (computed from this run)",
         "",
         *targets(t),

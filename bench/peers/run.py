@@ -1,8 +1,9 @@
 """Side-by-side benchmark of duebox and its peers (issue #8): one command.
 
-    python bench/peers/run.py            # 3 runs, 20,000 + 500 jobs: about 20 min
-    python bench/peers/run.py --quick    # 2,000 + 100 jobs, 1 run: checks the harness
+    python bench/peers/run.py            # 3 runs, workloads A, B, C, C-burst
+    python bench/peers/run.py --quick    # 2,000 + 100 jobs (C: 100), 1 run: checks the harness
     python bench/peers/run.py --only celery-redis,duebox-sql --runs 1
+    python bench/peers/run.py --workloads C,C-burst --only duebox-sql --runs 1
     python bench/peers/run.py --sqs      # also duebox on LocalStack's SQS
     python bench/peers/run.py --report-only   # re-render RESULTS.md from results.json
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+WORKLOADS = ("A", "B", "C", "C-burst")  # what --workloads may name (harness.run_one)
 VENV = Path(os.environ.get("BENCH_PEERS_VENV",
                            Path.home() / ".cache" / "duebox" / "bench-peers-venv"))
 
@@ -54,9 +56,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="workload B jobs (over --spread: 100 jobs/s)")
     p.add_argument("--fast-late-jobs", type=int, default=5000,
                    help="workload B at speed, default settings (500 jobs/s); 0: skip")
-    p.add_argument("--spread", type=float, default=10.0, help="workload B: seconds")
+    p.add_argument("--spread", type=float, default=10.0, help="workloads B and C: seconds")
+    p.add_argument("--mixed-jobs", type=int, default=1000,
+                   help="workload C jobs (over --spread), one in 50 slow; C-burst: 8 more")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)} (B: with its fast and "
+                        "aggressive forms)")
     p.add_argument("--only", default=None, help="comma-separated system names")
-    p.add_argument("--quick", action="store_true", help="2,000 + 100 jobs, 1 run")
+    p.add_argument("--quick", action="store_true", help="2,000 + 100 jobs (C: 100), 1 run")
     p.add_argument("--sqs", action="store_true", help="also duebox-sqs (LocalStack)")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy pass")
     p.add_argument("--profile-only", action="store_true", help="only the py-spy pass")
@@ -65,9 +72,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.jobs, args.late_jobs, args.fast_late_jobs = 1, 2000, 100, 200
-    for name in ("runs", "jobs", "late_jobs"):
+        args.mixed_jobs = 100
+    for name in ("runs", "jobs", "late_jobs", "mixed_jobs"):
         if getattr(args, name) < 1 or (name != "runs" and getattr(args, name) < 2):
             p.error(f"--{name.replace('_', '-')}: too small")
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown or not args.workloads:
+        p.error(f"--workloads: unknown {', '.join(unknown) or '(none given)'}; "
+                f"known: {', '.join(WORKLOADS)}")
     return args
 
 
