@@ -45,7 +45,14 @@ from .routes import Routes
 from .schedules import Schedules
 from .seam import BrokerContext
 from .targets import AsyncTarget, SyncTarget
-from .tasks import Handler, RetryPolicy, Task, check_task_seconds, validate_task_options
+from .tasks import (
+    DEFAULT_MAX_ATTEMPTS,
+    Handler,
+    RetryPolicy,
+    Task,
+    check_task_seconds,
+    validate_task_options,
+)
 from .tracing import stamp
 from .values import aware, check_json, check_operator, check_optional_str, encode_json
 
@@ -174,7 +181,7 @@ class Duebox:
         name: str,
         *,
         queue: str | None = None,
-        max_attempts: int = 3,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         retry: RetryPolicy | None = None,
         lease_seconds: float | None = None,
         classify: Mapping[type[BaseException], ClassRule] | Classifier | None = None,
@@ -188,6 +195,10 @@ class Duebox:
     ) -> Callable[[F], F]:
         """Register ``fn(payload, ctx)`` (sync or async) as task ``name``.
 
+        A failing job is tried ``max_attempts`` times (default 10), waiting
+        as ``retry`` says between attempts (default :class:`RetryPolicy`:
+        7.5-15 s after the first, doubling to 30-60 minutes, one to two hours
+        in all; docs/failures.md, "Backoff").
         ``classify`` maps exception types to failure classes on top of the
         defaults (``{PaymentDeclined: "permanent"}``); ``timeout`` limits one
         execution, separately from the lease; ``validate(payload)`` raises when
