@@ -23,6 +23,7 @@ from .errors import (
     MissingDependencyError,
     NotDueError,
     PermissionDeniedError,
+    TablesMissingError,
     UnknownTaskError,
     ValidationError,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "SQLDedupeStore",
     "Settings",
     "SystemClock",
+    "TablesMissingError",
     "Task",
     "Throttled",
     "Transient",

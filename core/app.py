@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -20,6 +21,7 @@ from .inspect import JobInfo, record_steps
 from .periodic import Periodic, declarations
 from .producer import (
     NewJob,
+    Steps,
     Target,
     cancel_steps,
     check_priority,
@@ -27,11 +29,13 @@ from .producer import (
     copy_capable,
     dialect_of,
     drive,
+    engine_of,
     insert_many_steps,
     insert_steps,
     json_size,
     reschedule_steps,
     resolve_due,
+    tables_first,
 )
 from .registry import (
     ROUTED_BROKER,
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
     from duebox.brokers.base import Broker
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 class Duebox:
@@ -92,6 +97,9 @@ class Duebox:
         self._own_engine = engine is None
         self._async_engine: AsyncEngine | None = None
         self._limits: dict[tuple[str, int], tuple[int, str]] = {}
+        # Engines whose database was found to hold duebox's tables: the
+        # producer API asks once per engine (see _drive).
+        self._migrated: weakref.WeakSet[Engine] = weakref.WeakSet()
         self.schedules = Schedules(self)
         # Schedules declared with @app.task(schedule=...), by schedule name:
         # what relays sync into the schedule table at start.
@@ -369,8 +377,9 @@ class Duebox:
             name, payload, at=at, delay=delay, key=key, priority=priority, tenant=tenant,
             expires_at=expires_at, headers=headers,
         )
-        return drive(session, insert_steps(new, dialect, self.clock.now(), self.settings.notify,
-                                           self.follows_database))
+        return self._drive(session, "app.schedule",
+                           insert_steps(new, dialect, self.clock.now(), self.settings.notify,
+                                        self.follows_database))
 
     @overload
     def schedule_many(self, session: SyncTarget, jobs: list[NewJob]) -> list[uuid.UUID]: ...
@@ -390,9 +399,9 @@ class Duebox:
             if new.key is not None:
                 raise ValidationError(f"jobs[{i}].key", "keys need app.schedule(), one by one")
         copy = dialect == "postgresql" and copy_capable(session)
-        return drive(session, insert_many_steps(jobs, dialect, self.clock.now(),
-                                                self.settings.notify, copy,
-                                                self.follows_database))
+        return self._drive(session, "app.schedule_many",
+                           insert_many_steps(jobs, dialect, self.clock.now(),
+                                             self.settings.notify, copy, self.follows_database))
 
     @overload
     def cancel(self, session: SyncTarget, job_id: uuid.UUID | str, *,
@@ -419,7 +428,8 @@ class Duebox:
         dialect_of(session)
         if operator is not None or reason is not None:
             operator, reason = check_operator(operator, reason)
-        return drive(session, cancel_steps(job_id, self.clock.now(), operator, reason))
+        return self._drive(session, "app.cancel",
+                           cancel_steps(job_id, self.clock.now(), operator, reason))
 
     @overload
     def reschedule(self, session: SyncTarget, job_id: uuid.UUID | str, *,
@@ -440,9 +450,10 @@ class Duebox:
         if at is None and delay is None:
             raise ValidationError("at/delay", "give one of at= and delay=")
         due_at, span = resolve_due(self.clock.now(), at, delay)
-        return drive(session, reschedule_steps(job_id, due_at, span, self.clock.now(),
-                                               self.settings.notify, dialect,
-                                               self.follows_database))
+        return self._drive(session, "app.reschedule",
+                           reschedule_steps(job_id, due_at, span, self.clock.now(),
+                                            self.settings.notify, dialect,
+                                            self.follows_database))
 
     @overload
     def get_job(self, session: SyncTarget, id_or_key: uuid.UUID | str) -> JobInfo: ...
@@ -459,7 +470,19 @@ class Duebox:
         :class:`JobNotFoundError`, or :class:`AmbiguousJobError` for a prefix
         that starts several ids."""
         dialect_of(session)
-        return drive(session, record_steps(id_or_key))
+        return self._drive(session, "app.get_job", record_steps(id_or_key))
+
+    def _drive(self, session: Target, action: str, steps: Steps[T]) -> T | Awaitable[T]:
+        """Run the producer's ``steps`` on the caller's ``session``; the first
+        time on an engine, after checking that duebox's tables are there, so
+        that a database nobody ran ``duebox db upgrade`` against gets one
+        line saying so (TablesMissingError), not the database's traceback,
+        and the caller's transaction stays usable.  Later calls on the engine
+        only look it up in a set."""
+        engine = engine_of(session)
+        if engine not in self._migrated:
+            steps = tables_first(steps, action, engine, self._migrated.add)
+        return drive(session, steps)
 
     # --- consumers of your own (docs/own-consumers.md) ---------------------
 
