@@ -28,6 +28,7 @@ from .errors import (
     ValidationError,
 )
 from .failures import Classifier, FailureClass, Permanent, Throttled, Transient
+from .handle import TaskHandle
 from .inspect import JobInfo
 from .message import JobMessage
 from .periodic import Periodic
@@ -107,6 +108,7 @@ __all__ = [
     "SystemClock",
     "TablesMissingError",
     "Task",
+    "TaskHandle",
     "Throttled",
     "Transient",
     "UnknownTaskError",

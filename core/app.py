@@ -6,7 +6,7 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -17,9 +17,11 @@ from .config import Settings
 from .db import create_async_engine_for, create_sync_engine
 from .errors import ConfigurationError, UnknownTaskError, ValidationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
+from .handle import TaskHandle
 from .inspect import JobInfo, record_steps
 from .periodic import Periodic, declarations
 from .producer import (
+    JobOptions,
     NewJob,
     Steps,
     Target,
@@ -200,8 +202,13 @@ class Duebox:
         group_commit: bool = True,
         schedule: str | Periodic | Sequence[Periodic] | None = None,
         timezone: str | None = None,
-    ) -> Callable[[F], F]:
+    ) -> Callable[[F], TaskHandle[F]]:
         """Register ``fn(payload, ctx)`` (sync or async) as task ``name``.
+
+        Returns a :class:`TaskHandle`: ``fn`` itself to call, with
+        ``.schedule(session, payload, ...)``, ``.enqueue(payload, ...)`` and
+        ``.aenqueue(payload, ...)`` for this task, whose payload's type a
+        type checker takes from ``fn``'s first parameter.
 
         A failing job is tried ``max_attempts`` times (default 10), waiting
         as ``retry`` says between attempts (default :class:`RetryPolicy`:
@@ -238,9 +245,11 @@ class Duebox:
                 raise ConfigurationError(f"schedule {p.name!r}: declared by task {other.task!r} "
                                          f"and by task {name!r}; give one another name")
 
-        def register(fn: F) -> F:
+        def register(fn: F) -> TaskHandle[F]:
+            # A handle registered again (under another name) runs its function.
+            handler = fn.fn if isinstance(fn, TaskHandle) else fn
             self.tasks[name] = Task(
-                name=name, fn=fn, queue=queue, max_attempts=max_attempts,
+                name=name, fn=handler, queue=queue, max_attempts=max_attempts,
                 retry=retry or RetryPolicy(), lease_seconds=lease_seconds,
                 classifier=classifier, timeout=timeout, validate=validate,
                 max_lateness=max_lateness, mask=mask, group_commit=group_commit,
@@ -250,7 +259,7 @@ class Duebox:
                 del self.declared_schedules[old]
             for p in declared:
                 self.declared_schedules[p.name or name] = p
-            return fn
+            return TaskHandle(self, name, fn)
 
         return register
 
@@ -380,6 +389,33 @@ class Duebox:
         return self._drive(session, "app.schedule",
                            insert_steps(new, dialect, self.clock.now(), self.settings.notify,
                                         self.follows_database))
+
+    def enqueue(self, name: str, payload: Any = None,
+                **options: Unpack[JobOptions]) -> uuid.UUID:
+        """Schedule a job in a transaction of duebox's own: begun on
+        ``app.engine``, committed before this returns, so the job is durable
+        (the relay will run it) once you have its id.  For scripts, cron
+        jobs, tests: code with no business write of its own.
+
+        What it does not give: atomicity with anything you write.  It is
+        not the outbox: if your own transaction later rolls back, the job
+        stays scheduled; if this call fails after your commit, your write
+        stands without its job.  To have both or neither, write the job in
+        your transaction with :meth:`schedule`.  The options are
+        :meth:`schedule`'s (``delay``, ``at``, ``key``, ...).  On SQLite,
+        do not call it while a transaction of yours holds the write lock: it
+        waits for that lock like any other writer.
+        """
+        with self.engine.begin() as conn:
+            return self.schedule(conn, name, payload, **options)
+
+    async def aenqueue(self, name: str, payload: Any = None,
+                       **options: Unpack[JobOptions]) -> uuid.UUID:
+        """:meth:`enqueue` on ``app.async_engine``, for code in an event loop;
+        the same guarantees, and the same lack of atomicity with your
+        writes."""
+        async with self.async_engine.begin() as conn:
+            return await self.schedule(conn, name, payload, **options)
 
     @overload
     def schedule_many(self, session: SyncTarget, jobs: list[NewJob]) -> list[uuid.UUID]: ...

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy import exc as sa_exc
@@ -126,6 +126,20 @@ COPY_COLUMNS = ("id", "task", "queue", "payload", "headers", "due_at", "state", 
                 "nominal_fire_at", "expires_at", "lease_generation", "created_at",
                 "updated_at", "shard")
 _COPY_JOBS = f"COPY {job.name} ({', '.join(COPY_COLUMNS)}) FROM STDIN"
+
+
+class JobOptions(TypedDict, total=False):
+    """The options every way of scheduling one job takes after the task's
+    name and payload (``app.schedule``, ``app.enqueue``, a task handle's
+    ``schedule``/``enqueue``); ``app.new_job`` says what each one means."""
+
+    at: datetime | None
+    delay: timedelta | float | None
+    key: str | None
+    priority: int
+    tenant: str | None
+    expires_at: datetime | None
+    headers: dict[str, Any] | None
 
 
 # --- validation at the boundary --------------------------------------------
