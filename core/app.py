@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
@@ -50,6 +51,7 @@ from .registry import (
 from .routes import Routes
 from .schedules import Schedules
 from .seam import BrokerContext
+from .secret_keys import SecretKeys, parse_mask_keys
 from .targets import AsyncTarget, SyncTarget
 from .tasks import (
     DEFAULT_MAX_ATTEMPTS,
@@ -126,6 +128,14 @@ class Duebox:
         if settings.database_url != self.settings.database_url and self._own_engine:
             self.dispose()
         self.settings = settings
+        for name, task in self.tasks.items():
+            self.tasks[name] = replace(task, secret_keys=self._secret_keys(task.mask_keys,
+                                                                          settings))
+
+    @staticmethod
+    def _secret_keys(own: tuple[str, ...] | None, settings: Settings) -> SecretKeys:
+        """A task's secret keys: its own, else the app's ``mask_keys``."""
+        return SecretKeys.of(own) if own is not None else settings.secret_keys
 
     # --- engines -----------------------------------------------------------
 
@@ -199,6 +209,7 @@ class Duebox:
         validate: Callable[[Any], None] | None = None,
         max_lateness: float | None = None,
         mask: Callable[[Any], Any] | None = None,
+        mask_keys: Sequence[str] | str | None = None,
         group_commit: bool = True,
         schedule: str | Periodic | Sequence[Periodic] | None = None,
         timezone: str | None = None,
@@ -221,7 +232,10 @@ class Duebox:
         ``max_lateness``: a job not dispatched within this many seconds of its
         due time (an outage) is EXPIRED by the relay instead of run late.
         ``mask(payload)`` returns the payload as people may see it (the
-        dashboard shows that, never the raw payload).
+        dashboard shows that, never the raw payload); then the values of
+        secret keys are masked, in the payload and in error text that quotes
+        them: the app's ``mask_keys`` setting, or ``mask_keys`` here (``()``
+        or ``"none"``: none for this task).
         ``group_commit=False``: each job runs in a transaction of its own, never
         shared with other jobs' (see docs/worker.md, "Group commit").
         ``schedule`` declares a recurring schedule in code: a cron rule
@@ -236,6 +250,7 @@ class Duebox:
                            lease_seconds=lease_seconds)
         if not isinstance(group_commit, bool):
             raise ConfigurationError(f"group_commit: must be True or False (got {group_commit!r})")
+        own_keys = None if mask_keys is None else parse_mask_keys(mask_keys)
         classifier = (classify if isinstance(classify, Classifier)
                       else DEFAULT_CLASSIFIER.extend(classify or {}))
         declared = declarations(name, schedule, timezone)
@@ -253,6 +268,7 @@ class Duebox:
                 retry=retry or RetryPolicy(), lease_seconds=lease_seconds,
                 classifier=classifier, timeout=timeout, validate=validate,
                 max_lateness=max_lateness, mask=mask, group_commit=group_commit,
+                mask_keys=own_keys, secret_keys=self._secret_keys(own_keys, self.settings),
             )
             # Registering a task again replaces what it declared before.
             for old in [k for k, v in self.declared_schedules.items() if v.task == name]:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from .errors import ConfigurationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, FailureClass, Verdict
+from .secret_keys import DEFAULT_MASK_KEYS, SecretKeys
 from .values import MAX_SPAN, text_problem
 
 Handler = Callable[[Any, "JobContext"], Any]
@@ -103,6 +104,10 @@ class Task:
     # Hides secrets from people looking at jobs (the dashboard): returns the
     # payload as it may be shown.  Never used when running the job.
     mask: Callable[[Any], Any] | None = None
+    # The task's own secret keys (duebox.secret_keys); None: the app's
+    # mask_keys setting.  ``secret_keys`` is what applies, set by the app.
+    mask_keys: tuple[str, ...] | None = None
+    secret_keys: SecretKeys = field(default_factory=lambda: SecretKeys.of(DEFAULT_MASK_KEYS))
     # May share a transaction with other short jobs of the worker (group
     # commit, consumers/group_commit.py); False: always a transaction alone.
     group_commit: bool = True
