@@ -68,10 +68,12 @@ class TaskHandle(Generic[F]):
     first parameter."""
 
     def __init__(self, app: _Producer, name: str, fn: F) -> None:
+        # First: it copies fn's attributes, which must not overwrite these
+        # (a handle registered again carries its own app, name and fn).
+        functools.update_wrapper(self, fn)
         self.app = app
         self.name = name
         self.fn = fn
-        functools.update_wrapper(self, fn)
 
     if TYPE_CHECKING:
         # To a type checker the handle is called as the handler is: the same

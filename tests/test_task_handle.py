@@ -60,6 +60,7 @@ async def test_the_handle_is_still_the_function(database_url: str) -> None:
         assert app.get_task("send-report").is_async
         # A handle registered again under another name runs the same function.
         again = app.task("send-report-again")(send_report)
+        assert (again.name, send_report.name) == ("send-report-again", "send-report")
         assert app.get_task("send-report-again").fn is send_report.fn
         assert app.get_task("send-report-again").is_async
         assert await again(None, ctx) == 7
