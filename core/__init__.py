@@ -23,10 +23,12 @@ from .errors import (
     MissingDependencyError,
     NotDueError,
     PermissionDeniedError,
+    TablesMissingError,
     UnknownTaskError,
     ValidationError,
 )
 from .failures import Classifier, FailureClass, Permanent, Throttled, Transient
+from .handle import TaskHandle
 from .inspect import JobInfo
 from .message import JobMessage
 from .periodic import Periodic
@@ -104,7 +106,9 @@ __all__ = [
     "SQLDedupeStore",
     "Settings",
     "SystemClock",
+    "TablesMissingError",
     "Task",
+    "TaskHandle",
     "Throttled",
     "Transient",
     "UnknownTaskError",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -16,10 +18,13 @@ from .config import Settings
 from .db import create_async_engine_for, create_sync_engine
 from .errors import ConfigurationError, UnknownTaskError, ValidationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
+from .handle import TaskHandle
 from .inspect import JobInfo, record_steps
 from .periodic import Periodic, declarations
 from .producer import (
+    JobOptions,
     NewJob,
+    Steps,
     Target,
     cancel_steps,
     check_priority,
@@ -27,11 +32,13 @@ from .producer import (
     copy_capable,
     dialect_of,
     drive,
+    engine_of,
     insert_many_steps,
     insert_steps,
     json_size,
     reschedule_steps,
     resolve_due,
+    tables_first,
 )
 from .registry import (
     ROUTED_BROKER,
@@ -44,8 +51,16 @@ from .registry import (
 from .routes import Routes
 from .schedules import Schedules
 from .seam import BrokerContext
+from .secret_keys import SecretKeys, parse_mask_keys
 from .targets import AsyncTarget, SyncTarget
-from .tasks import Handler, RetryPolicy, Task, check_task_seconds, validate_task_options
+from .tasks import (
+    DEFAULT_MAX_ATTEMPTS,
+    Handler,
+    RetryPolicy,
+    Task,
+    check_task_seconds,
+    validate_task_options,
+)
 from .tracing import stamp
 from .values import aware, check_json, check_operator, check_optional_str, encode_json
 
@@ -53,6 +68,7 @@ if TYPE_CHECKING:
     from duebox.brokers.base import Broker
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 class Duebox:
@@ -85,6 +101,9 @@ class Duebox:
         self._own_engine = engine is None
         self._async_engine: AsyncEngine | None = None
         self._limits: dict[tuple[str, int], tuple[int, str]] = {}
+        # Engines whose database was found to hold duebox's tables: the
+        # producer API asks once per engine (see _drive).
+        self._migrated: weakref.WeakSet[Engine] = weakref.WeakSet()
         self.schedules = Schedules(self)
         # Schedules declared with @app.task(schedule=...), by schedule name:
         # what relays sync into the schedule table at start.
@@ -109,6 +128,14 @@ class Duebox:
         if settings.database_url != self.settings.database_url and self._own_engine:
             self.dispose()
         self.settings = settings
+        for name, task in self.tasks.items():
+            self.tasks[name] = replace(task, secret_keys=self._secret_keys(task.mask_keys,
+                                                                          settings))
+
+    @staticmethod
+    def _secret_keys(own: tuple[str, ...] | None, settings: Settings) -> SecretKeys:
+        """A task's secret keys: its own, else the app's ``mask_keys``."""
+        return SecretKeys.of(own) if own is not None else settings.secret_keys
 
     # --- engines -----------------------------------------------------------
 
@@ -174,7 +201,7 @@ class Duebox:
         name: str,
         *,
         queue: str | None = None,
-        max_attempts: int = 3,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         retry: RetryPolicy | None = None,
         lease_seconds: float | None = None,
         classify: Mapping[type[BaseException], ClassRule] | Classifier | None = None,
@@ -182,12 +209,22 @@ class Duebox:
         validate: Callable[[Any], None] | None = None,
         max_lateness: float | None = None,
         mask: Callable[[Any], Any] | None = None,
+        mask_keys: Sequence[str] | str | None = None,
         group_commit: bool = True,
         schedule: str | Periodic | Sequence[Periodic] | None = None,
         timezone: str | None = None,
-    ) -> Callable[[F], F]:
+    ) -> Callable[[F], TaskHandle[F]]:
         """Register ``fn(payload, ctx)`` (sync or async) as task ``name``.
 
+        Returns a :class:`TaskHandle`: ``fn`` itself to call, with
+        ``.schedule(session, payload, ...)``, ``.enqueue(payload, ...)`` and
+        ``.aenqueue(payload, ...)`` for this task, whose payload's type a
+        type checker takes from ``fn``'s first parameter.
+
+        A failing job is tried ``max_attempts`` times (default 10), waiting
+        as ``retry`` says between attempts (default :class:`RetryPolicy`:
+        7.5-15 s after the first, doubling to 30-60 minutes, one to two hours
+        in all; docs/failures.md, "Backoff").
         ``classify`` maps exception types to failure classes on top of the
         defaults (``{PaymentDeclined: "permanent"}``); ``timeout`` limits one
         execution, separately from the lease; ``validate(payload)`` raises when
@@ -195,7 +232,10 @@ class Duebox:
         ``max_lateness``: a job not dispatched within this many seconds of its
         due time (an outage) is EXPIRED by the relay instead of run late.
         ``mask(payload)`` returns the payload as people may see it (the
-        dashboard shows that, never the raw payload).
+        dashboard shows that, never the raw payload); then the values of
+        secret keys are masked, in the payload and in error text that quotes
+        them: the app's ``mask_keys`` setting, or ``mask_keys`` here (``()``
+        or ``"none"``: none for this task).
         ``group_commit=False``: each job runs in a transaction of its own, never
         shared with other jobs' (see docs/worker.md, "Group commit").
         ``schedule`` declares a recurring schedule in code: a cron rule
@@ -210,6 +250,7 @@ class Duebox:
                            lease_seconds=lease_seconds)
         if not isinstance(group_commit, bool):
             raise ConfigurationError(f"group_commit: must be True or False (got {group_commit!r})")
+        own_keys = None if mask_keys is None else parse_mask_keys(mask_keys)
         classifier = (classify if isinstance(classify, Classifier)
                       else DEFAULT_CLASSIFIER.extend(classify or {}))
         declared = declarations(name, schedule, timezone)
@@ -219,19 +260,22 @@ class Duebox:
                 raise ConfigurationError(f"schedule {p.name!r}: declared by task {other.task!r} "
                                          f"and by task {name!r}; give one another name")
 
-        def register(fn: F) -> F:
+        def register(fn: F) -> TaskHandle[F]:
+            # A handle registered again (under another name) runs its function.
+            handler = fn.fn if isinstance(fn, TaskHandle) else fn
             self.tasks[name] = Task(
-                name=name, fn=fn, queue=queue, max_attempts=max_attempts,
+                name=name, fn=handler, queue=queue, max_attempts=max_attempts,
                 retry=retry or RetryPolicy(), lease_seconds=lease_seconds,
                 classifier=classifier, timeout=timeout, validate=validate,
                 max_lateness=max_lateness, mask=mask, group_commit=group_commit,
+                mask_keys=own_keys, secret_keys=self._secret_keys(own_keys, self.settings),
             )
             # Registering a task again replaces what it declared before.
             for old in [k for k, v in self.declared_schedules.items() if v.task == name]:
                 del self.declared_schedules[old]
             for p in declared:
                 self.declared_schedules[p.name or name] = p
-            return fn
+            return TaskHandle(self, name, fn)
 
         return register
 
@@ -358,8 +402,36 @@ class Duebox:
             name, payload, at=at, delay=delay, key=key, priority=priority, tenant=tenant,
             expires_at=expires_at, headers=headers,
         )
-        return drive(session, insert_steps(new, dialect, self.clock.now(), self.settings.notify,
-                                           self.follows_database))
+        return self._drive(session, "app.schedule",
+                           insert_steps(new, dialect, self.clock.now(), self.settings.notify,
+                                        self.follows_database))
+
+    def enqueue(self, name: str, payload: Any = None,
+                **options: Unpack[JobOptions]) -> uuid.UUID:
+        """Schedule a job in a transaction of duebox's own: begun on
+        ``app.engine``, committed before this returns, so the job is durable
+        (the relay will run it) once you have its id.  For scripts, cron
+        jobs, tests: code with no business write of its own.
+
+        What it does not give: atomicity with anything you write.  It is
+        not the outbox: if your own transaction later rolls back, the job
+        stays scheduled; if this call fails after your commit, your write
+        stands without its job.  To have both or neither, write the job in
+        your transaction with :meth:`schedule`.  The options are
+        :meth:`schedule`'s (``delay``, ``at``, ``key``, ...).  On SQLite,
+        do not call it while a transaction of yours holds the write lock: it
+        waits for that lock like any other writer.
+        """
+        with self.engine.begin() as conn:
+            return self.schedule(conn, name, payload, **options)
+
+    async def aenqueue(self, name: str, payload: Any = None,
+                       **options: Unpack[JobOptions]) -> uuid.UUID:
+        """:meth:`enqueue` on ``app.async_engine``, for code in an event loop;
+        the same guarantees, and the same lack of atomicity with your
+        writes."""
+        async with self.async_engine.begin() as conn:
+            return await self.schedule(conn, name, payload, **options)
 
     @overload
     def schedule_many(self, session: SyncTarget, jobs: list[NewJob]) -> list[uuid.UUID]: ...
@@ -379,9 +451,9 @@ class Duebox:
             if new.key is not None:
                 raise ValidationError(f"jobs[{i}].key", "keys need app.schedule(), one by one")
         copy = dialect == "postgresql" and copy_capable(session)
-        return drive(session, insert_many_steps(jobs, dialect, self.clock.now(),
-                                                self.settings.notify, copy,
-                                                self.follows_database))
+        return self._drive(session, "app.schedule_many",
+                           insert_many_steps(jobs, dialect, self.clock.now(),
+                                             self.settings.notify, copy, self.follows_database))
 
     @overload
     def cancel(self, session: SyncTarget, job_id: uuid.UUID | str, *,
@@ -409,7 +481,8 @@ class Duebox:
         dialect_of(session)
         if operator is not None or reason is not None:
             operator, reason = check_operator(operator, reason)
-        return drive(session, cancel_steps(job_id, self.clock.now(), operator, reason))
+        return self._drive(session, "app.cancel",
+                           cancel_steps(job_id, self.clock.now(), operator, reason))
 
     @overload
     def reschedule(self, session: SyncTarget, job_id: uuid.UUID | str, *,
@@ -430,9 +503,10 @@ class Duebox:
         if at is None and delay is None:
             raise ValidationError("at/delay", "give one of at= and delay=")
         due_at, span = resolve_due(self.clock.now(), at, delay)
-        return drive(session, reschedule_steps(job_id, due_at, span, self.clock.now(),
-                                               self.settings.notify, dialect,
-                                               self.follows_database))
+        return self._drive(session, "app.reschedule",
+                           reschedule_steps(job_id, due_at, span, self.clock.now(),
+                                            self.settings.notify, dialect,
+                                            self.follows_database))
 
     @overload
     def get_job(self, session: SyncTarget, id_or_key: uuid.UUID | str) -> JobInfo: ...
@@ -449,7 +523,19 @@ class Duebox:
         :class:`JobNotFoundError`, or :class:`AmbiguousJobError` for a prefix
         that starts several ids."""
         dialect_of(session)
-        return drive(session, record_steps(id_or_key))
+        return self._drive(session, "app.get_job", record_steps(id_or_key))
+
+    def _drive(self, session: Target, action: str, steps: Steps[T]) -> T | Awaitable[T]:
+        """Run the producer's ``steps`` on the caller's ``session``; the first
+        time on an engine, after checking that duebox's tables are there, so
+        that a database nobody ran ``duebox db upgrade`` against gets one
+        line saying so (TablesMissingError), not the database's traceback,
+        and the caller's transaction stays usable.  Later calls on the engine
+        only look it up in a set."""
+        engine = engine_of(session)
+        if engine not in self._migrated:
+            steps = tables_first(steps, action, engine, self._migrated.add)
+        return drive(session, steps)
 
     # --- consumers of your own (docs/own-consumers.md) ---------------------
 

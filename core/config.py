@@ -12,6 +12,7 @@ from . import own_queues
 from .dispatch_policy import DispatchPolicy
 from .errors import ConfigurationError
 from .routes import check_routes, parse_routes
+from .secret_keys import DEFAULT_MASK_KEYS, SecretKeys, parse_mask_keys
 from .values import MAX_SPAN
 
 DEFAULT_DATABASE_URL = "sqlite:///duebox.db"
@@ -72,8 +73,14 @@ class Settings:
     # URL, or its text form ``queue=URL,queue=URL`` / a JSON object; queues
     # not named go through ``broker_url``.
     broker_routes: Mapping[str, str] | str | None = None
+    # Payload keys whose values nobody sees (logs, `duebox jobs show`, `dlq`,
+    # the dashboard), also where error text quotes them: every key holding
+    # one of these words, ignoring case, "_" and "-" (duebox.secret_keys).
+    # A list, a comma-separated string, or "none"; a task may name its own.
+    mask_keys: tuple[str, ...] | str = DEFAULT_MASK_KEYS
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mask_keys", parse_mask_keys(self.mask_keys))
         object.__setattr__(self, "own_consumer_queues",
                            own_queues.parse(self.own_consumer_queues))
         if self.dispatch_policy is not None:
@@ -113,6 +120,12 @@ class Settings:
         """``own_consumer_queues``, as checked (always a tuple)."""
         value = self.own_consumer_queues
         return value if isinstance(value, tuple) else own_queues.parse(value)
+
+    @property
+    def secret_keys(self) -> SecretKeys:
+        """``mask_keys``, as what masks payloads and error text."""
+        keys = self.mask_keys
+        return SecretKeys.of(keys if isinstance(keys, tuple) else parse_mask_keys(keys))
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -30,6 +30,7 @@ from .errors import (
     DatabaseError,
     MissingDependencyError,
     PermissionDeniedError,
+    TablesMissingError,
 )
 from .logs import CollapsedLog
 from .message import lenient_json
@@ -344,12 +345,19 @@ def check_tables(engine: Engine, action: str) -> None:
             "upgrade` to create it with duebox's tables, or give --database-url / "
             "DUEBOX_DATABASE_URL")
     with db_errors(action), engine.connect() as conn:
-        present = sa_inspect(conn).has_table("duebox_job")
+        present = tables_present(conn)
     if not present:
-        raise DatabaseError(
-            f"{action}: no duebox tables in this database "
-            f"({engine.url.render_as_string(hide_password=True)}): run `duebox db upgrade`, "
-            "or give --database-url / DUEBOX_DATABASE_URL")
+        raise TablesMissingError(action, engine.url.render_as_string(hide_password=True),
+                                 "run `duebox db upgrade`, or give --database-url / "
+                                 "DUEBOX_DATABASE_URL")
+
+
+def tables_present(conn: Connection) -> bool:
+    """Whether duebox's tables are where ``conn``'s statements find them (on
+    PostgreSQL: on its search_path), asked without a statement that fails
+    when they are not, so that a transaction ``conn`` is in stays usable
+    (PostgreSQL aborts a transaction at any error)."""
+    return bool(sa_inspect(conn).has_table("duebox_job"))
 
 
 def check_reachable(engine: Engine) -> None:

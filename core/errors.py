@@ -12,7 +12,8 @@ original chained as ``__cause__``::
     │   ├── AmbiguousJobError     an id prefix that names more than one job
     │   └── MessageDecodeError    a broker message that is not a duebox message
     ├── DatabaseError             the database is unreachable or refused a write
-    │   └── PermissionDeniedError   the database role lacks a privilege the action needs
+    │   ├── PermissionDeniedError   the database role lacks a privilege the action needs
+    │   └── TablesMissingError      no duebox tables yet: run `duebox db upgrade`
     ├── BrokerError               the broker is unreachable or refused a publish
     └── JobStateError             the job is not in a state that allows the action
         ├── JobNotFoundError
@@ -96,6 +97,15 @@ class PermissionDeniedError(DatabaseError):
         super().__init__(
             f"{action}: permission denied: the database role lacks a privilege this action "
             f"needs ({detail}); see docs/operators.md for the grants")
+        self.action = action
+
+
+class TablesMissingError(DatabaseError):
+    """The database has no duebox tables (``duebox db upgrade`` was not run
+    against it); ``todo`` says how to create them from where the caller is."""
+
+    def __init__(self, action: str, where: str, todo: str) -> None:
+        super().__init__(f"{action}: no duebox tables in this database ({where}): {todo}")
         self.action = action
 
 

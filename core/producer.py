@@ -10,12 +10,12 @@ synchronously or with ``await``.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement, Executable
 
 from .clock import as_utc, server_now_sql, server_time_after
-from .db import NOTIFY_CHANNEL, insert_if_absent
-from .errors import JobNotFoundError, JobStateError, ValidationError
+from .db import NOTIFY_CHANNEL, insert_if_absent, tables_present
+from .errors import JobNotFoundError, JobStateError, TablesMissingError, ValidationError
 from .ids import parse_job_id, uuid7, uuid7_many
 from .states import CANCELLABLE_STATES, RESCHEDULABLE_STATES, JobState
 from .tables import audit, job, shard_of
@@ -42,9 +42,16 @@ class Copy:
     rows: list[tuple[Any, ...]]
 
 
+@dataclass(frozen=True, slots=True)
+class HasTables:
+    """Whether duebox's tables are in the target's database: True or False,
+    never an error (db.tables_present), so the caller's transaction stays
+    usable when they are not."""
+
+
 # A step is a statement, a statement and its parameters (a list of sets: an
-# executemany), or a COPY.
-Step = Executable | tuple[Executable, list[dict[str, Any]] | dict[str, Any]] | Copy
+# executemany), a COPY, or the question HasTables.
+Step = Executable | tuple[Executable, list[dict[str, Any]] | dict[str, Any]] | Copy | HasTables
 Steps = Generator[Step, CursorResult[Any], T]
 
 _INT32 = 2**31 - 1
@@ -120,6 +127,20 @@ COPY_COLUMNS = ("id", "task", "queue", "payload", "headers", "due_at", "state", 
                 "nominal_fire_at", "expires_at", "lease_generation", "created_at",
                 "updated_at", "shard")
 _COPY_JOBS = f"COPY {job.name} ({', '.join(COPY_COLUMNS)}) FROM STDIN"
+
+
+class JobOptions(TypedDict, total=False):
+    """The options every way of scheduling one job takes after the task's
+    name and payload (``app.schedule``, ``app.enqueue``, a task handle's
+    ``schedule``/``enqueue``); ``app.new_job`` says what each one means."""
+
+    at: datetime | None
+    delay: timedelta | float | None
+    key: str | None
+    priority: int
+    tenant: str | None
+    expires_at: datetime | None
+    headers: dict[str, Any] | None
 
 
 # --- validation at the boundary --------------------------------------------
@@ -208,8 +229,12 @@ def drive_sync(target: Session | Connection, steps: Steps[T]) -> T:
         step = next(steps)
         while True:
             result: Any = None  # a COPY has no result to read
-            if isinstance(step, Copy):
-                _copy_sync(target.connection() if isinstance(target, Session) else target, step)
+            if isinstance(step, Copy | HasTables):
+                conn = target.connection() if isinstance(target, Session) else target
+                if isinstance(step, HasTables):
+                    result = tables_present(conn)
+                else:
+                    _copy_sync(conn, step)
             else:
                 result = target.execute(*_args(step))
             step = steps.send(result)
@@ -222,10 +247,13 @@ async def _drive_async(target: AsyncSession | AsyncConnection, steps: Steps[T]) 
         step = next(steps)
         while True:
             result: Any = None  # a COPY has no result to read
-            if isinstance(step, Copy):
+            if isinstance(step, Copy | HasTables):
                 conn = (await target.connection() if isinstance(target, AsyncSession)
                         else target)
-                await _copy_async(conn.sync_connection, step)  # type: ignore[arg-type]
+                if isinstance(step, HasTables):
+                    result = await conn.run_sync(tables_present)
+                else:
+                    await _copy_async(conn.sync_connection, step)  # type: ignore[arg-type]
             else:
                 result = await target.execute(*_args(step))
             step = steps.send(result)
@@ -237,10 +265,36 @@ def _args(step: Step) -> tuple[Any, ...]:
     return step if isinstance(step, tuple) else (step,)
 
 
+def _bind(target: Target) -> Engine | Connection | AsyncConnection:
+    return target.get_bind() if isinstance(target, Session | AsyncSession) else target
+
+
 def copy_capable(target: Target) -> bool:
     """Whether ``target`` runs on psycopg 3, whose COPY a Copy step uses."""
-    bind = target.get_bind() if isinstance(target, Session | AsyncSession) else target
-    return bind.dialect.driver == "psycopg"
+    return _bind(target).dialect.driver == "psycopg"
+
+
+def engine_of(target: Target) -> Engine:
+    """The (sync) engine ``target`` runs on."""
+    bind = _bind(target)
+    if isinstance(bind, AsyncConnection):
+        return bind.sync_engine
+    return bind if isinstance(bind, Engine) else bind.engine
+
+
+def tables_first(steps: Steps[T], action: str, engine: Engine,
+                 found: Callable[[Engine], None]) -> Generator[Step, Any, T]:
+    """``steps``, after checking that duebox's tables are there: a
+    :class:`TablesMissingError` saying to run ``duebox db upgrade`` before
+    anything is written, instead of the database's error (which, on
+    PostgreSQL, would also abort the caller's transaction).  ``found`` is
+    told the engine once they are, so an app asks once per engine."""
+    if not (yield HasTables()):
+        raise TablesMissingError(action, engine.url.render_as_string(hide_password=True),
+                                 "run `duebox db upgrade` against it first (or, in code, "
+                                 "duebox.migrate.upgrade(app.engine))")
+    found(engine)
+    return (yield from steps)
 
 
 def _raw(conn: Connection) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from .errors import ConfigurationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, FailureClass, Verdict
+from .secret_keys import DEFAULT_MASK_KEYS, SecretKeys
 from .values import MAX_SPAN, text_problem
 
 Handler = Callable[[Any, "JobContext"], Any]
@@ -23,13 +24,26 @@ _NAME_MAX = 200
 _DOUBLINGS = 64
 
 
+# Attempts a task gets unless it says otherwise: with the default
+# RetryPolicy the last of them comes an hour or two after the first, so a
+# downstream down for ten minutes (or an hour) is ridden out, not dead-lettered.
+DEFAULT_MAX_ATTEMPTS = 10
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Capped exponential backoff with full jitter: attempt n waits a random
-    time in ``[0, min(cap, base * 2**(n-1))]``, never less than ``minimum``."""
+    """Capped exponential backoff with "equal jitter": the wait after attempt n
+    is a random time in ``[c/2, c]`` where ``c = min(cap, base * 2**(n-1))``
+    (its computed backoff), never less than ``minimum``.  Half the backoff is
+    always waited, so no retry comes back at once; the other half is random,
+    so jobs that failed together do not return together.
 
-    base: float = 1.0
-    cap: float = 300.0
+    The defaults wait 7.5-15 s, then 15-30 s, doubling up to 30-60 minutes
+    (docs/failures.md has the curve beside Dramatiq's, Sidekiq's and
+    Celery's)."""
+
+    base: float = 15.0
+    cap: float = 3600.0
     minimum: float = 0.0
 
     def __post_init__(self) -> None:
@@ -42,10 +56,15 @@ class RetryPolicy:
                 raise ConfigurationError(f"RetryPolicy.{name}: must be a number of seconds from "
                                          f"0 to {most:.0f} (got {value!r})")
 
+    def backoff(self, attempt: int) -> float:
+        """The computed backoff after attempt ``attempt``: ``min(cap, base *
+        2**(attempt-1))``, the most a retry waits."""
+        return min(self.cap, self.base * 2.0 ** min(max(0, attempt - 1), _DOUBLINGS))
+
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        ceiling: float = min(self.cap, self.base * 2.0 ** min(max(0, attempt - 1), _DOUBLINGS))
+        half = self.backoff(attempt) / 2.0
         r: float = (rng or random).random()
-        return max(self.minimum, ceiling * r)
+        return max(self.minimum, half + half * r)
 
     def delay_for(self, attempt: int, verdict: Verdict, rng: random.Random | None = None) -> float:
         """The wait before the next attempt, by failure class.
@@ -56,7 +75,7 @@ class RetryPolicy:
         """
         if verdict.failure_class != FailureClass.THROTTLED:
             return self.delay(attempt, rng)
-        ceiling = min(self.cap, self.base * 2.0 ** min(attempt, _DOUBLINGS))
+        ceiling = self.backoff(attempt + 1)
         floor = verdict.retry_after
         if floor is None or not math.isfinite(floor):
             floor = ceiling
@@ -71,7 +90,7 @@ class Task:
     name: str
     fn: Handler
     queue: str
-    max_attempts: int = 3
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     lease_seconds: float | None = None
     # Failure classification, extendable per task (see duebox.failures).
@@ -85,6 +104,10 @@ class Task:
     # Hides secrets from people looking at jobs (the dashboard): returns the
     # payload as it may be shown.  Never used when running the job.
     mask: Callable[[Any], Any] | None = None
+    # The task's own secret keys (duebox.secret_keys); None: the app's
+    # mask_keys setting.  ``secret_keys`` is what applies, set by the app.
+    mask_keys: tuple[str, ...] | None = None
+    secret_keys: SecretKeys = field(default_factory=lambda: SecretKeys.of(DEFAULT_MASK_KEYS))
     # May share a transaction with other short jobs of the worker (group
     # commit, consumers/batch.py); False: always a transaction alone.
     group_commit: bool = True

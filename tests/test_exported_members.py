@@ -17,7 +17,7 @@ def test_public_names_are_pinned() -> None:
         "Permanent",
         "PermissionDeniedError",
         "RedisDedupeStore", "Relay", "RetryPolicy", "SQLDedupeStore", "Settings", "SystemClock",
-        "Task",
+        "TablesMissingError", "Task", "TaskHandle",
         "Throttled", "Transient", "UnknownTaskError", "ValidationError", "Worker", "__version__",
         "dedupe", "metadata",
     ])

@@ -201,8 +201,10 @@ def test_recover_counts_a_vanished_worker_as_a_lost_attempt(app: duebox.Duebox) 
 
 
 def test_recover_dead_letters_a_job_whose_attempts_are_used_up(app: duebox.Duebox) -> None:
-    [job_id] = add(app, 0)
-    for i in range(3):  # max_attempts of the task is 3
+    app.add_task("three-tries", lambda payload, ctx: None, max_attempts=3)
+    with app.engine.begin() as conn:
+        job_id = app.schedule(conn, "three-tries")
+    for i in range(3):  # the task's max_attempts
         assert len(run_claim(app, f"dead-worker#{i}", now=100 * i, lease=5)) == 1
         recover(app, 100 * i + 50)
     row = job_row(app.engine, job_id)

@@ -120,7 +120,7 @@ async def test_schedule_becomes_visible_only_when_the_caller_commits(
     assert row.task == "effect"
     assert row.payload == {"n": 1}
     assert row.due_at == START + timedelta(seconds=30)
-    assert (row.version, row.attempt, row.max_attempts) == (1, 0, 3)
+    assert (row.version, row.attempt, row.max_attempts) == (1, 0, 10)  # the default
 
 
 @pytest.mark.parametrize("kind", KINDS)

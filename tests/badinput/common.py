@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import PG_ADMIN_URL, service_missing
+from conftest import MYSQL_ADMIN_URL, PG_ADMIN_URL, service_missing
 from helpers import duebox_row_counts
 from sqlalchemy import Engine
 
@@ -49,28 +49,50 @@ def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
 
 
 @contextlib.contextmanager
+def _created(admin_url: str, service: str, name: str, drop: str, *,
+             before: Sequence[str] = (), after: Sequence[str] = ()) -> Iterator[str]:
+    """Database ``name`` (quoted as its server quotes) created on the server
+    of ``admin_url``, then the statements ``before``; at the end ``drop``
+    (which drops it), then ``after``.  Yields its URL; a server that cannot
+    be reached is :func:`service_missing`."""
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        service_missing(service, exc)
+    try:
+        with admin.connect() as conn:
+            for statement in before:
+                conn.execute(sa.text(statement))
+        yield sa.make_url(admin_url).set(database=name.strip('"`')).render_as_string(
+            hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            for statement in (drop, *after):
+                conn.execute(sa.text(statement))
+        admin.dispose()
+
+
+@contextlib.contextmanager
 def scratch_database(prefix: str, roles: Sequence[str] = ()) -> Iterator[str]:
     """A PostgreSQL database of the caller's own and ``roles`` that may log
     in (and nothing else yet), all dropped at the end.  Yields its URL."""
-    db = f"{prefix}_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{db}"'))
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        service_missing("PostgreSQL", exc)
-    try:
-        with admin.connect() as conn:
-            for role in roles:
-                conn.execute(sa.text(f'CREATE ROLE "{role}" LOGIN'))
-        yield sa.make_url(PG_ADMIN_URL).set(database=db).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
-            for role in roles:
-                conn.execute(sa.text(f'DROP ROLE IF EXISTS "{role}"'))
-        admin.dispose()
+    db = f'"{prefix}_{uuid.uuid4().hex[:8]}"'
+    with _created(PG_ADMIN_URL, "PostgreSQL", db, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)",
+                  before=[f'CREATE ROLE "{role}" LOGIN' for role in roles],
+                  after=[f'DROP ROLE IF EXISTS "{role}"' for role in roles]) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def scratch_mariadb(prefix: str) -> Iterator[str]:
+    """A MariaDB database of the caller's own, dropped at the end.  Yields its URL."""
+    db = f"`{prefix}_{uuid.uuid4().hex[:8]}`"
+    with _created(MYSQL_ADMIN_URL, "MariaDB", db, f"DROP DATABASE IF EXISTS {db}") as url:
+        yield url
+
 
 def decode_or_field(raw: bytes) -> JobMessage | str:
     """The message, or the name of the field decode refused."""

@@ -12,7 +12,7 @@ import asyncio
 import uuid
 from collections.abc import Coroutine
 from datetime import datetime, timedelta
-from typing import Any, assert_type
+from typing import Any, TypedDict, assert_type
 
 from sqlalchemy import Connection, Row, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -34,6 +34,48 @@ def send_reminder(payload: dict[str, int], ctx: duebox.JobContext) -> None:
 @app.task("send-report")
 async def send_report(payload: None, ctx: duebox.JobContext) -> None:
     await ctx.session.execute(text("SELECT 1"))
+
+
+class Reminder(TypedDict):
+    order_id: int
+
+
+@app.task("send-typed-reminder")
+def send_typed_reminder(payload: Reminder, ctx: duebox.JobContext) -> str:
+    return str(payload["order_id"])
+
+
+@app.task("untyped")
+def untyped(payload, ctx):  # type: ignore[no-untyped-def]
+    return None
+
+
+def task_handles(session: Session, conn: Connection, ctx: duebox.JobContext) -> None:
+    """The README's first way: the handle @app.task returns, its payload's
+    type taken from the handler."""
+    handle: duebox.TaskHandle[Any] = send_reminder
+    assert_type(handle.fn, Any)
+    job_id = send_typed_reminder.schedule(session, {"order_id": 42},
+                                          delay=timedelta(hours=24), key="reminder:order-42")
+    assert_type(job_id, uuid.UUID)
+    assert_type(send_reminder.schedule(conn, {"order_id": 1}, at=datetime.now()), uuid.UUID)
+    assert_type(send_report.schedule(session, None, priority=3), uuid.UUID)
+    assert_type(untyped.schedule(session, object()), uuid.UUID)  # no annotation: any payload
+    assert_type(send_typed_reminder.enqueue({"order_id": 1}, delay=60), uuid.UUID)
+    assert_type(app.enqueue("send-reminder", {"order_id": 1}, key="k"), uuid.UUID)
+    # Still the function: called as it was, with its own result.
+    assert_type(send_typed_reminder({"order_id": 1}, ctx), str)
+    assert_type(send_typed_reminder(payload={"order_id": 1}, ctx=ctx), str)
+    assert_type(send_typed_reminder.name, str)
+
+
+async def task_handles_async(session: AsyncSession, ctx: duebox.JobContext) -> None:
+    pending = assert_type(send_typed_reminder.schedule(session, {"order_id": 7}, delay=30),
+                          Coroutine[Any, Any, uuid.UUID])
+    assert_type(await pending, uuid.UUID)
+    assert_type(await send_report.aenqueue(None), uuid.UUID)
+    assert_type(await app.aenqueue("send-report", None, tenant="acme"), uuid.UUID)
+    assert_type(await send_report(None, ctx), None)
 
 
 def readme_snippet() -> None:
