@@ -398,7 +398,8 @@ class Worker:
             # Nothing here can run it (no such task, or a stored payload that
             # is not JSON): dead-letter it with the reason.
             self._observe_start(rec, started)
-            orphan = Task(name=rec.task, fn=_no_handler, queue=rec.queue)
+            orphan = Task(name=rec.task, fn=_no_handler, queue=rec.queue,
+                          secret_keys=self.app.settings.secret_keys)
             outcome = await self.pools.db(
                 Execution(self.app, orphan, rec, self.name, self.dedupe, self.pools).settle,
                 Verdict(FailureClass.PERMANENT), str(exc))
