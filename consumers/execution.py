@@ -96,6 +96,7 @@ class RunStatus(StrEnum):
     LEASE_LOST = "lease_lost"  # another process took the job over: nothing recorded
     CANCELLED = "cancelled"  # seen before it ran (a job held ahead of its due time)
     RELEASED = "released"  # the worker is stopping: given back, never started
+    HANDED_BACK = "handed_back"  # every thread ran a long handler: given back, for others
 
 
 @dataclass

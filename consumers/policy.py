@@ -45,6 +45,11 @@ GROUP_LEAST = 6
 # if that is longer, is a straggler.  Letting it go costs its batch one
 # commit; the jobs behind it start this much late at most.
 STRAGGLER_AFTER = 0.01
+# A handler alone holds no job but its own: its executor counts as taken by
+# a long handler (the worker takes in less, and with every executor so taken
+# hands on what waits) only after this long, or four times its task's usual
+# time.  A handler that writes to a busy database takes tens of ms.
+LONG_ALONE_AFTER = 0.1
 # A task whose straggler held its batch's transaction runs alone this long.
 ISOLATE_FOR = 60.0
 # After a straggler, lane batches spread over every free thread this long.
@@ -64,6 +69,7 @@ class Policy:
         self.budget = BUDGET
         self.group_least = GROUP_LEAST
         self.straggler_floor = STRAGGLER_AFTER
+        self.long_alone_floor = LONG_ALONE_AFTER
         # Batched handlers' usual seconds per job (None: none ran yet): how
         # many jobs a free thread takes in hand.
         self.pace: float | None = None
@@ -109,10 +115,11 @@ class Policy:
 
     # --- stragglers -----------------------------------------------------------------
 
-    def straggler_after(self, task: str) -> float:
-        """Seconds after which a batched handler of ``task`` is a straggler."""
+    def straggler_after(self, task: str, *, batched: bool = True) -> float:
+        """Seconds after which a handler of ``task`` is a straggler (one
+        alone: long, see :data:`LONG_ALONE_AFTER`)."""
         pace = self.task_pace.get(task)
-        floor = self.straggler_floor
+        floor = self.straggler_floor if batched else self.long_alone_floor
         return floor if pace is None else max(floor, 4 * pace)
 
     def straggled(self) -> None:

@@ -563,8 +563,8 @@ class Runner:
             self._leased.extendleft(reversed(items))
             self._dispatch()
             return
-        for item in items:
-            _settle(item, Outcome(RunStatus.RELEASED))
+        for item in items:  # their messages: handed back too (Worker.handle)
+            _settle(item, Outcome(RunStatus.HANDED_BACK))
         self.outcomes.handed_back(len(items))
 
     def _unclaim(self, records: list[jobstore.JobRecord]) -> None:
@@ -598,9 +598,13 @@ class Runner:
                 else:  # it wrote into the batch's transaction: the batch waits for it
                     self.policy.held_batch(running.item.task.name)
             elif unit.execution is not None:
-                began = unit.execution.began
-                if began is not None and now - began > self.policy.straggler_after(
-                        unit.execution.task.name):
+                # The handler's own time: a job alone waiting for its commit
+                # (SQLite's one writer) is not running a long handler.
+                execution = unit.execution
+                began = execution.began
+                if (began is not None and execution.handler_seconds is None
+                        and now - began > self.policy.straggler_after(execution.task.name,
+                                                                      batched=False)):
                     unit.long = changed = True
         if changed:  # threads held by stragglers: as good as freed for the rest
             self._freed.set()

@@ -417,7 +417,9 @@ class Worker:
             # Handed over before this task next yields (Executors.run queues
             # it at once): the next of its key cannot overtake it.
             turn.pass_on()
-        await self._execute(task, rec, obtained, early)
+        status = await self._execute(task, rec, obtained, early)
+        if status is RunStatus.HANDED_BACK and await self.runner.hand_back(delivery):
+            return  # its job given back too: another worker starts it
         await self.broker.ack(delivery)
 
     async def _early(self, delivery: Delivery, msg: JobMessage) -> float | None:
@@ -483,12 +485,13 @@ class Worker:
                             now=self.app.clock.now())
 
     async def _execute(self, task: Task, rec: jobstore.JobRecord,
-                       leased: datetime | None, early: bool = False) -> None:
+                       leased: datetime | None, early: bool = False) -> RunStatus:
         with tracing.attempt_span(rec.task, rec.queue, rec.id, rec.attempt, rec.headers) as span:
             outcome, started = await self.runner.run_leased(task, rec, leased, early=early)
             tracing.outcome(span, outcome.status, None if outcome.failure_class is None
                             else str(outcome.failure_class))
         self._account(rec, outcome, started)
+        return outcome.status
 
     def settled(self, batch: Sequence[Settled]) -> None:
         """Jobs one batch of the lane ran (deliveries', or due rows it
@@ -518,7 +521,7 @@ class Worker:
             st.succeeded += len(done)
 
     def _account(self, rec: jobstore.JobRecord, outcome: Outcome, started: datetime) -> None:
-        if outcome.status is RunStatus.RELEASED:  # stopping: given back, never started
+        if outcome.status in (RunStatus.RELEASED, RunStatus.HANDED_BACK):  # never started
             return
         if outcome.status is RunStatus.CANCELLED:  # seen under the group's lock, before it ran
             self._discard(Discard.CANCELLED)

@@ -287,6 +287,7 @@ def roomy_group_budget(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(policy, "BUDGET", 5.0)
     monkeypatch.setattr(policy, "STRAGGLER_AFTER", 5.0)
+    monkeypatch.setattr(policy, "LONG_ALONE_AFTER", 5.0)
 
 
 @pytest.fixture

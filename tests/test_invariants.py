@@ -202,6 +202,7 @@ async def test_invariant_2_a_job_whose_claimer_died_still_runs_once(
 # --- invariant 3: one effect per job id ------------------------------------------------
 
 
+@pytest.mark.usefixtures("roomy_group_budget")  # every copy counted as run or discarded
 async def test_invariant_3_duplicate_messages_have_one_effect(database_url: str) -> None:
     """The broker delivers every message four times, to two competing workers."""
     app = make_app(database_url, memory_url())

@@ -1,7 +1,8 @@
 """The app that tests/test_worker_processes.py runs under ``duebox worker
 --processes N``: ``--app tests.apps.procs_app:app``.
 
-``procs.effect`` sleeps ``payload["seconds"]`` (default 0), then writes one
+``procs.effect`` sleeps ``payload["seconds"]`` (default 0), waits until the
+file ``payload["wait_for"]`` exists (if given), then writes one
 row of the tests' ``effects`` table through ``ctx.session`` (primary key: the
 job id; the row names the worker). Before anything else, every call appends
 ``<job id> <pid>`` to the file ``PROCS_CALLS`` names, a write outside any
@@ -41,4 +42,14 @@ def effect(payload: Any, ctx: duebox.JobContext) -> None:
     with open(os.environ["PROCS_CALLS"], "a") as calls:
         calls.write(f"{ctx.job_id} {os.getpid()}\n")
     time.sleep(float((payload or {}).get("seconds", 0)))
+    _wait_for((payload or {}).get("wait_for"))
     ctx.session.execute(effects.insert().values(effect_values(ctx)))
+
+
+def _wait_for(path: str | None) -> None:
+    """A slow (or hanging) handler that the test releases: until the file
+    ``path`` exists, whatever the machine's speed (a file is the event two
+    processes share)."""
+    deadline = time.monotonic() + 600
+    while path is not None and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.005)

@@ -36,6 +36,7 @@ from hostile import GARBAGE, Forger, deep_json, envelope, forged_future, pack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import duebox
 from duebox.brokers.base import Delivery
 from duebox.brokers.memory import MemoryBroker
 from duebox.consumers import Worker
@@ -275,6 +276,8 @@ def test_forged_envelopes_are_discarded_or_wait_for_the_jobs_own_due_time(
             [(action, value)] = actions
             if forged["version"] < 1:
                 assert (action, value) == ("reject", "version")  # not even decodable
+            elif not _registrable(forged["task"]):  # a name @app.task refuses names no job
+                assert (action, value) == ("reject", "task")
             elif not forged["known"]:
                 assert (action, value) == ("reject", "unknown_job")
             elif forged["version"] != 1:
@@ -289,6 +292,16 @@ def test_forged_envelopes_are_discarded_or_wait_for_the_jobs_own_due_time(
         check()
     finally:
         app.dispose()
+
+
+def _registrable(task: str) -> bool:
+    """Whether ``@app.task`` accepts ``task`` as a name (a message naming
+    another is undecodable, named ``task``)."""
+    try:
+        duebox.Duebox("sqlite://", "memory://").add_task(task, lambda payload, ctx: None)
+    except duebox.ConfigurationError:
+        return False
+    return True
 
 
 async def handled(app: Any, body: bytes) -> list[tuple[str, Any]]:
