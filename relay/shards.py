@@ -43,7 +43,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, Connection, Engine, and_, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
-from duebox.db import db_errors
+from duebox.db import bound_idle_transaction, db_errors
 from duebox.errors import ConfigurationError
 from duebox.tables import SHARD_SLOTS, job, lease, shard_of
 
@@ -119,6 +119,12 @@ class ShardOwner:
         """Renew, give back excess, acquire: once per relay pass.  ``busy``:
         shards with work still in flight, never given back."""
         with db_errors("shard leases"), engine.begin() as conn:
+            # A relay paused inside this transaction (SIGSTOP, a GC pause)
+            # holds the lease rows it updated: every other relay's acquire
+            # waited for it, forever (tests/test_shards.py's paused relay, 1
+            # run in ~20 under load).  The server ends such a session after
+            # the lease's ttl: its renewal is worthless by then anyway.
+            bound_idle_transaction(conn, self.config.ttl)
             self._renew(conn, now)
             target = math.ceil(self.config.count / max(1, _live_relays(conn, now)))
             self._give_back(conn, now, target, set(busy))

@@ -6,6 +6,7 @@ publishes and marks nothing."""
 from __future__ import annotations
 
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -238,6 +239,66 @@ def test_a_relay_paused_past_its_lease_publishes_and_marks_nothing(
         assert redis_keys.stream_len() + redis_keys.parked() == n  # no duplicate publish
     finally:
         app.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_a_relay_paused_inside_its_shard_transaction_holds_no_shard_for_long(
+    pg_server_url: str, redis_keys: Keys, relay_procs: RelayProcs,
+) -> None:
+    """Relay A is SIGSTOPped while its shard step's transaction is open (it
+    had renewed its shard leases, not committed): the rows it updated stay
+    locked for as long as it is paused.  Relay B must still take the shards
+    over once the leases ran out — the server ends A's idle transaction
+    after the lease's ttl — and publish the jobs; before, B's acquire waited
+    for A's locks forever."""
+    reset_tables(pg_server_url)
+    app = duebox.Duebox(pg_server_url, "sql://")
+    app.add_task("proc_job", lambda payload, ctx: None)
+    broker = redis_keys.url()
+    a_name, b_name = f"A-{uuid.uuid4().hex[:6]}", f"B-{uuid.uuid4().hex[:6]}"
+    db = pg_server_url.rsplit("/", 1)[1]
+    try:
+        relay_procs.start_relay(pg_server_url, broker, a_name, 2, 1.5)
+        poll("A to own its shards", lambda: sum(
+            1 for o in owners_now(app.engine).values() if o == a_name) == 2,
+            timeout=20, check=relay_procs.check)
+        _pause_inside_the_shard_transaction(relay_procs, a_name, app.engine, db)
+        with app.engine.begin() as conn:
+            ids = app.schedule_many(conn, [app.new_job("proc_job", None) for _ in range(10)])
+        relay_procs.start_relay(pg_server_url, broker, b_name, 2, 1.5)
+        poll("B to own the shards A holds paused", lambda: sum(
+            1 for o in owners_now(app.engine).values() if o == b_name) == 2,
+            timeout=60, check=relay_procs.check)
+        poll("B to publish every job", lambda: enqueued(app.engine) == len(ids), timeout=60,
+             check=relay_procs.check)
+        relay_procs.signal(a_name, signal.SIGCONT)
+        relay_procs.stop(a_name)
+        assert relay_procs.stop(b_name)["published"] == len(ids)
+    finally:
+        app.dispose()
+
+
+def _pause_inside_the_shard_transaction(procs: RelayProcs, name: str, engine: sa.Engine,
+                                        db: str) -> None:
+    """SIGSTOP relay ``name`` while one of its sessions is idle inside a
+    transaction that updated ``duebox_lease`` (its shard step), tried again
+    until the stop lands inside it (the step lasts milliseconds a pass)."""
+    watch = sa.text("SELECT pid, xact_start FROM pg_stat_activity WHERE datname = :db "
+                    "AND state = 'idle in transaction' AND query LIKE 'UPDATE duebox_lease%'")
+    deadline = time.monotonic() + 120
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        while time.monotonic() < deadline:
+            seen = conn.execute(watch, {"db": db}).all()
+            if not seen:
+                continue
+            procs.signal(name, signal.SIGSTOP)
+            still = {tuple(r) for r in conn.execute(watch, {"db": db}).all()}
+            if any(tuple(r) in still for r in seen):
+                return  # stopped with the transaction open
+            procs.signal(name, signal.SIGCONT)
+    raise AssertionError(f"{name} was never caught inside its shard transaction")
 
 
 def owners_now(engine: sa.Engine) -> dict[str, str | None]:
