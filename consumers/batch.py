@@ -258,6 +258,10 @@ class Batch:
         # Set once a straggler was let go: the batch's transaction is no
         # longer this thread's.
         self.detached: Item | None = None
+        # Letting it go failed: the batch's transaction was lost with the
+        # jobs before it, and the straggler's start with it.
+        self.detach_failed = False
+        self.lost_with_detach: list[Item] = []
         self._conn: Connection | None = None
         self._fresh: set[str] = set()
         self._succeeded: list[Item] = []
@@ -397,7 +401,10 @@ class Batch:
         if attachment is Attachment.DETACHED:
             assert control.execution is not None
             self.detached = item
-            return control.execution.finish(session, error)
+            try:
+                return control.execution.finish(session, error)
+            finally:
+                session.close()  # its own transaction's connection, back to the pool
         if error is None:
             try:
                 session.check_rules(conn if attachment is Attachment.ATTACHED else None)
@@ -493,8 +500,16 @@ class Batch:
                 conn.commit()
             result.done, self._done = self._done, []
             result.unrun = later
+            # The batch is the straggler alone from now on: the rest is settled
+            # or back in line (a later loss of the batch concerns it only).
+            self.items = [item]
         except BaseException:
-            with contextlib.suppress(Exception):
+            # Nothing of it happened: every other job of the batch goes
+            # again (Runner), and run() answers for the straggler alone.
+            self.detach_failed = True
+            self.lost_with_detach = [i for i in self.items if i is not item]
+            self.items, self._done = [item], []
+            with contextlib.suppress(Exception):  # a dropped connection took it already
                 conn.rollback()
             raise
         finally:

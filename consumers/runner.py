@@ -113,13 +113,15 @@ class _Unit:
     """One thread's work: a job alone or a batch; ``long`` once its running
     handler is a straggler."""
 
-    __slots__ = ("batch", "detaching", "execution", "lane", "long", "task")
+    __slots__ = ("batch", "detaching", "execution", "lane", "long", "seen", "task")
 
     def __init__(self, *, batch: Batch | None = None, lane: bool = False) -> None:
         self.batch = batch
         self.execution: Execution | None = None
         self.lane = lane  # a lane batch (counts against batches_at_once while short)
         self.long = False
+        # The batched handler the watchdog last looked at: ``long`` is its.
+        self.seen: Running | None = None
         self.task: asyncio.Task[None] | None = None
         # Letting its straggler go (Batch.detach), once begun.
         self.detaching: asyncio.Task[Callable[[], Awaitable[None]] | None] | None = None
@@ -408,6 +410,8 @@ class Runner:
         except Exception as exc:
             if item.future is not None and not item.future.done():
                 item.future.set_exception(exc)
+            elif item.delivery is not None:  # the usual path meets it and says what
+                self.outcomes.usual(item.delivery)
             return
         if item.delivery is not None:  # a lane item run alone (a lost batch's)
             await self._settle_lane([(item, outcome)])
@@ -451,13 +455,29 @@ class Runner:
             self._pulled(batch, result)
         if len(result.done) > 1:
             self.outcomes.grouped(len(result.done))
-        lane = [(i, o) for i, o in result.done if i.future is None]
-        for item, outcome in result.done:
+        done = result.done
+        if batch.detach_failed:  # its start was rolled back: it runs again
+            done = [(i, o) for i, o in done if not self._again(batch, i, o)]
+        lane = [(i, o) for i, o in done if i.future is None]
+        for item, outcome in done:
             if item.future is not None:
                 _settle(item, outcome)
         self._dispatch()
         if lane:
             await self._settle_lane(lane)
+
+    def _again(self, batch: Batch, item: Item, outcome: Outcome) -> bool:
+        """The straggler of a batch whose detach failed, its job never
+        started after all (its completion found no lease): a delivery goes
+        the usual way, a due row to the next pull."""
+        if item is not batch.detached or item.kind is Kind.LEASED or (
+                outcome.status is not RunStatus.LEASE_LOST):
+            return False
+        if item.kind is Kind.DUE:
+            self._more_due = True
+        elif item.delivery is not None:
+            self.outcomes.usual(item.delivery)
+        return True
 
     async def _settle_lane(self, done: Sequence[tuple[Item, Outcome]]) -> None:
         self.outcomes.settled([(i.delivery, i.rec, o, i.started or self.app.clock.now())
@@ -468,18 +488,19 @@ class Runner:
         finally:
             self.outcomes.left(len(deliveries))
 
-    async def _batch_lost(self, batch: Batch, exc: BaseException) -> None:
-        """Nothing of the batch happened (or, after a detach, nothing of the
-        rest): each job goes again, alone — started ones here, deliveries
-        the usual way, due rows to the next pull — a handler that ran, a
-        second time."""
-        ran = sum(item.ran for item in batch.items if item is not batch.detached)
+    async def _batch_lost(self, batch: Batch, exc: BaseException,
+                          items: Sequence[Item] | None = None) -> None:
+        """Nothing of the batch happened (``items``: of these of its jobs):
+        each job goes again, alone — started ones here, deliveries the usual
+        way, due rows to the next pull — a handler that ran, a second time."""
+        items = batch.items if items is None else items
+        ran = sum(item.ran for item in items if item is not batch.detached)
         if ran:
             self.outcomes.reran(ran)
         else:
             self._log.warning(f"batch:{kind_of(exc)}", "a batch of %d jobs failed (%s: %s); "
-                              "each goes again", len(batch.items), type(exc).__name__, exc)
-        for item in reversed(batch.items):
+                              "each goes again", len(items), type(exc).__name__, exc)
+        for item in reversed(items):
             if item is batch.detached:
                 # Its own completion failed (the database went away): its
                 # job stays leased until recovery takes it back.
@@ -512,7 +533,10 @@ class Runner:
         if self.concurrency == 1:
             return
         if self._hands_back:
-            self._release_held(everything=True)
+            if self._ahead:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._release_held(everything=True)
             waiting = [i for i in self._lane if i.delivery is not None]
             self._lane = deque(i for i in self._lane if i.delivery is None)
             for item in waiting:
@@ -584,12 +608,17 @@ class Runner:
         now = time.monotonic()
         changed = False
         for unit in self._units:
-            if unit.long:
-                continue
             if unit.batch is not None:
                 running = unit.batch.running
-                if running is None or now - running.began <= self.policy.straggler_after(
-                        running.item.task.name):
+                if running is not unit.seen and unit.detaching is None:
+                    # Another handler of the batch (or none, between two):
+                    # whether the thread is long is that one's to say.
+                    unit.seen = running
+                    if unit.long:
+                        unit.long, changed = False, True
+                if unit.long or running is None or (
+                        now - running.began <= self.policy.straggler_after(
+                            running.item.task.name)):
                     continue
                 unit.long = changed = True
                 self.policy.straggled()
@@ -597,7 +626,7 @@ class Runner:
                     unit.detaching = asyncio.create_task(self._detach(unit.batch, running))
                 else:  # it wrote into the batch's transaction: the batch waits for it
                     self.policy.held_batch(running.item.task.name)
-            elif unit.execution is not None:
+            elif unit.execution is not None and not unit.long:
                 # The handler's own time: a job alone waiting for its commit
                 # (SQLite's one writer) is not running a long handler.
                 execution = unit.execution
@@ -624,6 +653,7 @@ class Runner:
             # straggler's completion finds its job not leased.
             self._log.warning(f"detach:{kind_of(exc)}", "letting a straggler's batch commit "
                               "without it failed (%s: %s)", type(exc).__name__, exc)
+            await self._batch_lost(batch, exc, batch.lost_with_detach)
             return None
         await self._settled(batch, result)
         execution = running.control.execution

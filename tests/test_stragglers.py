@@ -12,7 +12,9 @@ has not been released yet, whatever the machine's speed.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -56,6 +58,10 @@ class Straggler:
             with lock:
                 self.started.setdefault(str(ctx.job_id), datetime.now(UTC).timestamp())
                 self.calls[str(ctx.job_id)] = self.calls.get(str(ctx.job_id), 0) + 1
+            if payload.get("busy_ms"):  # writes, then runs a little long itself
+                ctx.session.execute(effects.insert().values(effect_values(ctx)))
+                time.sleep(payload["busy_ms"] / 1000)
+                return
             if payload.get("slow"):
                 if write_first:
                     ctx.session.execute(effects.insert().values(effect_values(ctx)))
@@ -87,9 +93,35 @@ def _seen_short(r: Running) -> None:
         w.runner.policy.pace = 0.0001
 
 
+@pytest.fixture
+def new_app() -> Iterator[Any]:
+    """``make_app``, its engines disposed when the test ends (a worker's
+    pool holds a connection per executor)."""
+    made: list[duebox.Duebox] = []
+
+    def make(*args: Any, **kw: Any) -> duebox.Duebox:
+        made.append(make_app(*args, **kw))
+        return made[-1]
+
+    yield make
+    for app in made:
+        app.dispose()
+
+
 @pytest.fixture(params=["sql", "redis"])
 def broker_url(request: pytest.FixtureRequest, redis_keys: Keys) -> str:
     return "sql://" if request.param == "sql" else redis_keys.url()
+
+
+async def _published(app: duebox.Duebox, broker_url: str, ids: list[uuid.UUID]) -> None:
+    """On a broker: the jobs published and marked before any worker reads
+    them (a delivery whose row the relay's mark still holds takes the usual
+    path, alone, not a batch).  ``sql://`` publishes nothing."""
+    if broker_url.startswith("sql:"):
+        return
+    async with Running(app, relays=1, workers=0) as r:
+        await r.wait(lambda: all_final(app.engine, ids, "ENQUEUED"), timeout=_WAIT,
+                     what="the relay to publish the jobs")
 
 
 def _cancel_without_waiting(app: duebox.Duebox, job_id: uuid.UUID) -> bool:
@@ -105,14 +137,14 @@ def _cancel_without_waiting(app: duebox.Duebox, job_id: uuid.UUID) -> bool:
     return result
 
 
-async def test_the_jobs_behind_a_straggler_run_while_it_blocks(server_url: str,
-                                                               broker_url: str) -> None:
+async def test_the_jobs_behind_a_straggler_run_while_it_blocks(
+        server_url: str, broker_url: str, new_app: Any) -> None:
     """A slow handler among fast ones of the same task, in one batch: the
     fast ones finish while it still blocks, a cancel of one of them returns
     at once, and the straggler — leased and heartbeaten meanwhile —
     completes once when released, its effect written once."""
     # A lease longer than the test: nothing here may wait for one to expire.
-    app = make_app(server_url, broker_url, lease_seconds=300.0)
+    app = new_app(server_url, broker_url, lease_seconds=300.0)
     straggler = Straggler(app)
     slow_ids, fast_ids = _schedule(app, 1, 12)
     async with Running(app, relays=1, workers=1, concurrency=4) as r:
@@ -139,12 +171,12 @@ async def test_the_jobs_behind_a_straggler_run_while_it_blocks(server_url: str,
         assert straggler.started[str(job_id)] >= job_row(app.engine, job_id).due_at.timestamp()
 
 
-async def test_a_hanging_handler_holds_only_its_own_job(server_url: str,
-                                                        broker_url: str) -> None:
+async def test_a_hanging_handler_holds_only_its_own_job(
+        server_url: str, broker_url: str, new_app: Any) -> None:
     """A handler that hangs (no timeout set): the jobs behind it and those
     due later run on time, a cancel of a job of its batch returns at once,
     and a cancel of the hanging job itself wins — its late writes roll back."""
-    app = make_app(server_url, broker_url, lease_seconds=300.0)
+    app = new_app(server_url, broker_url, lease_seconds=300.0)
     straggler = Straggler(app)
     slow_ids, fast_ids = _schedule(app, 1, 8)
     async with Running(app, relays=1, workers=1, concurrency=4) as r:
@@ -166,21 +198,16 @@ async def test_a_hanging_handler_holds_only_its_own_job(server_url: str,
     assert str(slow_ids[0]) not in effect_rows(app.engine)  # its writes rolled back
 
 
-async def test_a_straggler_that_wrote_first_isolates_its_task(server_url: str,
-                                                              broker_url: str) -> None:
+async def test_a_straggler_that_wrote_first_isolates_its_task(
+        server_url: str, broker_url: str, new_app: Any) -> None:
     """A straggler that wrote through ``ctx.session`` before it ran long has
     its writes in its batch's transaction: that batch waits for it (the
     documented limit), and its task then runs alone, so its next slow run
     holds nothing but itself."""
-    app = make_app(server_url, broker_url, lease_seconds=300.0)
+    app = new_app(server_url, broker_url, lease_seconds=300.0)
     straggler = Straggler(app, write_first=True)
     slow_ids, _ = _schedule(app, 1, 0)
-    if not broker_url.startswith("sql:"):
-        # Published and marked before a worker reads it: a delivery whose row
-        # the relay's mark still holds takes the usual path, alone.
-        async with Running(app, relays=1, workers=0) as r:
-            await r.wait(lambda: job_row(app.engine, slow_ids[0]).state == "ENQUEUED",
-                         timeout=_WAIT, what="the relay to publish the first slow job")
+    await _published(app, broker_url, slow_ids)
     async with Running(app, relays=1, workers=1, concurrency=4) as r:
         _seen_short(r)
         policy = r.workers[0].runner.policy
@@ -217,13 +244,13 @@ _MISUSES = {
 @pytest.mark.parametrize("misuse", sorted(_MISUSES))
 @pytest.mark.parametrize("grouped", [True, False], ids=["batch", "alone"])
 async def test_a_handler_that_ends_its_transaction_fails_and_its_effect_rolls_back(
-        server_url: str, misuse: str, grouped: bool) -> None:
+        server_url: str, misuse: str, grouped: bool, new_app: Any) -> None:
     """``ctx.session.commit()`` (or rollback, close, a second begin, an
     invalidated connection) is refused or caught: the attempt fails with
     HandlerSessionError naming the rule, the job goes to the dead-letter
     queue (a retry would break the rule again), nothing it wrote is
     committed — not even half of it — and its batch-mates succeed."""
-    app = make_app(server_url)
+    app = new_app(server_url)
     caught: list[BaseException] = []
 
     @app.task("rude", group_commit=grouped)
@@ -256,3 +283,76 @@ async def test_a_handler_that_ends_its_transaction_fails_and_its_effect_rolls_ba
     with app.engine.connect() as conn:  # nothing half-committed by the misuse
         assert conn.execute(sa.select(sa.func.count()).select_from(effects)
                             .where(effects.c.job_id == str(rude_id))).scalar_one() == 0
+
+
+async def test_a_detach_that_fails_loses_nothing(
+        server_url: str, broker_url: str, monkeypatch: pytest.MonkeyPatch,
+        new_app: Any) -> None:
+    """Letting a straggler go fails at its commit (the connection drops):
+    the batch's transaction is lost, so the jobs that ran before the
+    straggler run again (their handlers a second time, their effects once),
+    the ones behind it run, and the straggler — its start rolled back —
+    runs again after its first run finds no lease; every job succeeds, each
+    effect once."""
+    from duebox.consumers import batch as batch_module
+    from duebox.errors import DatabaseError
+
+    real = batch_module.Batch._complete
+    failed: list[bool] = []
+
+    def fail_first_detach(self: Any, conn: Any) -> None:
+        if self.running is not None and not failed:  # inside detach, not at a batch's end
+            failed.append(True)
+            raise DatabaseError("batch: database connection lost (injected)")
+        real(self, conn)
+
+    monkeypatch.setattr(batch_module.Batch, "_complete", fail_first_detach)
+    app = new_app(server_url, broker_url, lease_seconds=300.0)
+    straggler = Straggler(app)
+    at = datetime.now(UTC) - timedelta(seconds=1)
+    with app.engine.begin() as conn:
+        before = [app.schedule(conn, "mixed", {"n": i}, at=at) for i in range(3)]
+        slow = app.schedule(conn, "mixed", {"slow": True}, at=at + timedelta(milliseconds=1))
+        after = [app.schedule(conn, "mixed", {"n": i}, at=at + timedelta(milliseconds=2))
+                 for i in range(6)]
+    ids = [*before, slow, *after]
+    await _published(app, broker_url, ids)
+    async with Running(app, relays=1, workers=1, concurrency=4) as r:
+        _seen_short(r)
+        await r.wait(lambda: straggler.entered.is_set() and failed, timeout=_WAIT,
+                     what="a detach to fail")
+        await r.wait(lambda: all_final(app.engine, [*before, *after]), timeout=_WAIT,
+                     what="the jobs before and behind the straggler to succeed")
+        straggler.release.set()
+        await r.wait(lambda: all_final(app.engine, ids), timeout=_WAIT,
+                     what="the straggler to succeed too")
+    assert sorted(effect_rows(app.engine)) == sorted(str(j) for j in ids)
+    assert straggler.calls[str(slow)] <= 2
+
+
+async def test_a_straggler_behind_a_handler_that_ran_long_attached_is_still_let_go(
+        server_url: str, broker_url: str, new_app: Any) -> None:
+    """In one batch: a handler that writes and then runs 30 ms (past the
+    straggler time, but it wrote first: the batch waits for it), then a
+    blocked one that wrote nothing, then fast ones.  The watchdog looks at
+    each handler afresh: the blocked one is let go and the fast ones finish
+    while it blocks.  (It once marked the batch long for good at the first
+    handler, and never let the second go.)"""
+    app = new_app(server_url, broker_url, lease_seconds=300.0)
+    straggler = Straggler(app)
+    at = datetime.now(UTC) - timedelta(seconds=1)
+    with app.engine.begin() as conn:
+        busy = app.schedule(conn, "mixed", {"busy_ms": 30}, at=at)
+        slow = app.schedule(conn, "mixed", {"slow": True}, at=at + timedelta(milliseconds=1))
+        fast = [app.schedule(conn, "mixed", {"n": i}, at=at + timedelta(milliseconds=2))
+                for i in range(6)]
+    await _published(app, broker_url, [busy, slow, *fast])
+    async with Running(app, relays=1, workers=1, concurrency=4) as r:
+        _seen_short(r)
+        await r.wait(lambda: all_final(app.engine, [busy, *fast]), timeout=_WAIT,
+                     what="the jobs around the blocked handler to finish while it blocks")
+        assert not straggler.release.is_set()
+        straggler.release.set()
+        await r.wait(lambda: all_final(app.engine, [slow]), timeout=_WAIT,
+                     what="the blocked handler's job to finish")
+    assert sorted(effect_rows(app.engine)) == sorted(str(j) for j in [busy, slow, *fast])
