@@ -17,7 +17,8 @@ original chained as ``__cause__``::
     ├── BrokerError               the broker is unreachable or refused a publish
     └── JobStateError             the job is not in a state that allows the action
         ├── JobNotFoundError
-        └── LeaseLostError        a fenced write matched no row: another owner moved on
+        ├── LeaseLostError        a fenced write matched no row: another owner moved on
+        └── NotDueError           your own consumer handed a message over before its due time
 """
 
 from __future__ import annotations
