@@ -750,28 +750,30 @@ async def test_unroutable_publish_is_not_ok_and_not_lost(
     q = unique()
     app = make_app(sqlite_url, url, q)
     relay = Relay(app)
-    await relay.broker.open()
+    (pipeline,) = relay.pipelines
+    broker = pipeline.broker
+    await broker.open()
     try:
-        assert not await relay.broker.declare_queues([q])  # type: ignore[attr-defined]
+        assert not await broker.declare_queues([q])  # type: ignore[attr-defined]
         with admin(url) as ch:
-            ch.queue_delete(f"{relay.broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
-        [r] = await relay.broker.publish([Outgoing(message(q), 0.0)])
+            ch.queue_delete(f"{broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
+        [r] = await broker.publish([Outgoing(message(q), 0.0)])
         assert not r.ok
         assert "unroutable: 312 NO_ROUTE" in (r.error or "")
 
         job_id = schedule_committed(app, "effect")
-        await relay.broker.declare_queues([q])  # type: ignore[attr-defined]
+        await broker.declare_queues([q])  # type: ignore[attr-defined]
         with admin(url) as ch:
-            ch.queue_delete(f"{relay.broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
+            ch.queue_delete(f"{broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
         stats = await relay.run_pass()
         assert (stats.published, stats.failed) == (0, 1)
         assert state(app, job_id) == "SCHEDULED"  # released, not lost
         stats = await relay.run_pass()  # the queue is declared again: published
         assert stats.published == 1
         assert state(app, job_id) == "ENQUEUED"
-        assert message_count(url, f"{relay.broker.topology.prefix}.q.{q}") == 1  # type: ignore[attr-defined]
+        assert message_count(url, f"{broker.topology.prefix}.q.{q}") == 1  # type: ignore[attr-defined]
     finally:
-        await relay.broker.close()
+        await broker.close()
 
 
 async def test_garbage_is_rejected_into_the_dead_letter_queue(

@@ -22,7 +22,7 @@ def worker_row(name: str, throttled: int | None) -> ProcessRow:
 
 def test_a_rising_throttled_count_halves_dispatch_and_holds_it(tmp_path: Any) -> None:
     app = duebox.Duebox(f"sqlite:///{tmp_path}/d.db", "sql://")
-    scale = ScaleControls(app, "relay-1", None, None)
+    scale = ScaleControls(app, None, None)
     bp = scale.backpressure
     scale.observe_workers([worker_row("a", 3), worker_row("b", None)], interval=60)
     assert bp.factor == 1.0  # first sight of a count: nothing to compare with
@@ -53,7 +53,8 @@ async def test_throttled_handlers_slow_the_relay_down(database_url: str) -> None
                            relay_kw={"collect_interval": 0.2},
                            worker_kw={"heartbeat_interval": 0.2}) as r:
             relay = r.relays[0]
-            await r.wait(lambda: relay.scale.backpressure.factor < 1.0, timeout=30,
+            (pipeline,) = relay.pipelines
+            await r.wait(lambda: pipeline.scale.backpressure.factor < 1.0, timeout=30,
                          what="the relay to slow down on the workers' throttled count")
             assert r.worker_total("throttled") > 0
             await r.wait(
