@@ -206,9 +206,12 @@ async def start(*parts: Relay | Worker) -> tuple[asyncio.Event, list[asyncio.Tas
     tasks = [asyncio.create_task(p.run(stop)) for p in parts]
 
     def ready() -> bool:
-        return all(p.broker._link is not None  # type: ignore[attr-defined]
-                   and (isinstance(p, Relay) or set(p.queues) <= p.broker._declared)  # type: ignore[attr-defined]
-                   for p in parts)
+        relays = [pl.broker for p in parts if isinstance(p, Relay) for pl in p.pipelines]
+        workers = [p for p in parts if not isinstance(p, Relay)]
+        return (all(b._link is not None for b in relays)  # type: ignore[attr-defined]
+                and all(w.broker._link is not None  # type: ignore[attr-defined]
+                        and set(w.queues) <= w.broker._declared  # type: ignore[attr-defined]
+                        for w in workers))
 
     await until(ready, seconds=20, what="relays and workers connected", check=alive(tasks))
     return stop, tasks
