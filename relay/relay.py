@@ -66,8 +66,9 @@ _STOP_GRACE_SECONDS = 10.0
 
 
 class Relay:
-    """Moves due jobs from the database to the broker.  Run as many as you like:
-    ``SKIP LOCKED`` partitions the rows between them."""
+    """Moves due jobs from the database to the broker, through a pipeline
+    per broker (``pipelines``; none on ``sql://``).  Run as many as you
+    like: ``SKIP LOCKED`` partitions the rows between them."""
 
     def __init__(
         self,
