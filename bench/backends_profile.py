@@ -45,14 +45,14 @@ _WAITS = (
 )
 # The first of these (innermost first) in a stack names the relay's phase.
 _PHASES = (
-    ("Relay._claim", "claim (transaction + rows → JobRecord)"),
+    ("Pipeline.claim", "claim (transaction + rows → JobRecord)"),
     ("mark_enqueued", "mark ENQUEUED"),
-    ("Relay._recover", "lease recovery"),
+    ("LeaseRecovery.", "lease recovery"),
     ("next_due", "next-due query"),
     (".publish (brokers/", "broker publish"),
     ("(brokers/", "broker publish"),
-    ("Relay._publish", "build messages, metrics"),
-    ("Relay._dispatch", "dispatch bookkeeping, metrics"),
+    ("Pipeline._send", "build messages, metrics"),
+    ("Pipeline._sort", "dispatch bookkeeping, metrics"),
 )
 _DB_PHASES = ("claim (transaction + rows → JobRecord)", "mark ENQUEUED", "lease recovery",
               "next-due query")

@@ -92,8 +92,11 @@ async def time_relay(app: duebox.Duebox, backend: str, n: int,
                      min_delay: float) -> dict[str, Any]:
     """One job through a first pass (queue/topic declared, first-use
     reconciliation done, connections up), then ``n`` jobs timed."""
-    relay = Relay(app, broker=app.broker("bench-relay"), batch_size=trials.BATCH)
-    await relay.broker.open()
+    # The broker is the trial's: this harness also runs the relay of another
+    # tree (bench/relay_ab.py).
+    broker = app.broker("bench-relay")
+    relay = Relay(app, broker=broker, batch_size=trials.BATCH)
+    await broker.open()
     load(app, due_times(backend, 1, datetime.now(UTC), min_delay))
     await relay.run_pass()
     assert relay.totals.marked == 1, f"warm-up pass: {relay.totals}"
@@ -105,7 +108,7 @@ async def time_relay(app: duebox.Duebox, backend: str, n: int,
             if (await relay.run_pass()).claimed == 0:
                 break
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu
-    await relay.broker.close()
+    await broker.close()
     got = trials.counts(app)
     assert got == {"ENQUEUED": n + 1}, f"relay left {got}"
     assert relay.totals.lost_marks == 0

@@ -128,7 +128,8 @@ async def flood(url: str, mode: str, rate: float, seconds: float) -> dict[str, A
             owner = f"{relay.name}#{uuid.uuid4().hex[:6]}"
             from duebox.relay import PassStats
 
-            await relay._publish(relay._claim(owner), owner, PassStats())
+            (pipeline,) = relay.pipelines
+            await pipeline.publish(pipeline.claim(owner), owner, PassStats())
         else:
             await relay.run_pass()
     by_tenant: Counter[str] = Counter()

@@ -127,8 +127,9 @@ def due_now() -> datetime:
 
 
 async def time_relay(app: duebox.Duebox, n: int) -> dict[str, Any]:
-    relay = Relay(app, broker=app.broker("bench-relay"), batch_size=BATCH)
-    await relay.broker.open()
+    broker = app.broker("bench-relay")
+    relay = Relay(app, broker=broker, batch_size=BATCH)
+    await broker.open()
     check_reachable(app.engine)
     t0 = time.perf_counter()
     while relay.totals.marked < n:
@@ -136,7 +137,7 @@ async def time_relay(app: duebox.Duebox, n: int) -> dict[str, Any]:
         if stats.claimed == 0:
             break
     elapsed = time.perf_counter() - t0
-    await relay.broker.close()
+    await broker.close()
     got = counts(app)
     assert got == {"ENQUEUED": n}, f"relay left {got}"
     assert relay.totals.lost_marks == 0

@@ -1,5 +1,8 @@
-"""One consumer over several brokers: a worker whose queues are routed to
-more than one backend (docs/brokers.md, "Routing").
+"""Several routes' brokers acting as one (docs/brokers.md, "Routing"): a
+worker whose queues are routed to more than one backend consumes them
+through :class:`RoutedBroker`; a relay, which runs a pipeline per route's
+broker (relay/pipeline.py), hands a dead worker's messages on through each
+of them with :func:`hand_on`.
 
 Each route's broker is consumed by a task of its own, which opens it (with
 backoff while it is unreachable) and feeds its deliveries into one inbox
@@ -33,6 +36,24 @@ log = logging.getLogger("duebox.broker")
 
 # The key in Delivery.extra naming the route a delivery came from.
 _ROUTE = "duebox-route"
+# How long a takeover waits for one route's broker to hand on a dead
+# worker's messages: a broker that is down must not hold up the others.
+_TAKE_OVER_SECONDS = 10.0
+
+
+async def hand_on(brokers: Sequence[Broker], worker: str, info: Mapping[str, Any]) -> int:
+    """:meth:`Broker.take_over` on each route's broker: how many messages of
+    the dead ``worker`` they handed on.  One that is down or slow is logged
+    and left to its own redelivery; the others still hand on theirs."""
+    handed = 0
+    for b in brokers:
+        try:
+            handed += await asyncio.wait_for(b.take_over(worker, info), _TAKE_OVER_SECONDS)
+        except Exception as exc:  # down or slow: its redelivery covers them
+            log.warning("route %s could not hand on worker %s's messages (%s: %s); its "
+                        "own redelivery will", b.capabilities.name, worker,
+                        type(exc).__name__, exc)
+    return handed
 
 
 def _combined(brokers: Sequence[Broker]) -> Capabilities:
@@ -183,7 +204,7 @@ class RoutedBroker(Broker):
         return sum([await b.cancel(job_ids) for b, _ in self.parts])
 
     async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
-        return sum([await b.take_over(worker, info) for b, _ in self.parts])
+        return await hand_on([b for b, _ in self.parts], worker, info)
 
     def registry_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {}
@@ -195,4 +216,4 @@ class RoutedBroker(Broker):
         return self.broker_for(job.queue).locate(job, now)
 
 
-__all__ = ["RoutedBroker"]
+__all__ = ["RoutedBroker", "hand_on"]

@@ -416,7 +416,7 @@ class PgWaker:
 
     def follower(self) -> PgWaker:
         """A waker with an ``event`` of its own, set by this one's LISTEN
-        connection: a relay's route lanes follow their relay's, so a relay
+        connection: a relay's pipelines follow their relay's, so a relay
         holds one such connection however many routes it has (one each, 1,000
         routes took all of a server's connections)."""
         follower = PgWaker(self._url, self._channel, listen=False)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, and_, or_, select, update
+from sqlalchemy import ColumnElement, Connection, and_, not_, or_, select, update
 
 from .claims import due, locked, update_locked
 from .failures import SystemFailure
@@ -70,16 +70,19 @@ class Recovered:
 
 
 def recover(
-    conn: Connection, *, now: datetime, margin: float, redeliver_after: float, limit: int
+    conn: Connection, *, now: datetime, margin: float, redeliver_after: float, limit: int,
+    spare: ColumnElement[bool] | None = None,
 ) -> Recovered:
-    """Return jobs whose lease expired (plus ``margin`` for clock skew) to SCHEDULED.
+    """Return jobs whose lease expired (plus ``margin`` for clock skew) to SCHEDULED,
+    except those ``spare`` matches (:func:`claimed_since`).
 
     A RUNNING job whose worker vanished counts as a failed attempt: once its
     attempts are used up it goes to DEAD instead of cycling forever.
     """
     cutoff = now - timedelta(seconds=margin)
+    expired = job.c.lease_until < cutoff
     dispatching, running, dead = _return_leases(
-        conn, job.c.lease_until < cutoff, now=now, limit=limit,
+        conn, expired if spare is None else and_(expired, not_(spare)), now=now, limit=limit,
         lost_error="lease expired: the worker stopped heartbeating (crash, kill or pause)")
     free = {"lease_owner": None, "lease_until": None, "updated_at": now}
     stale = now - timedelta(seconds=redeliver_after)
@@ -95,6 +98,15 @@ def recover(
                  or_(job.c.published_at.is_(None), job.c.published_at < stale)), limit),
     )
     return Recovered(dispatching, running, dead, enqueued)
+
+
+def claimed_since(process: str, since: datetime) -> ColumnElement[bool]:
+    """The claims ``process`` took at or after ``since``: a relay still
+    publishing them (a broker slower than the lease) spares them in its own
+    recovery, and marks or releases them itself; another relay's recovery
+    does not, so a process paused past its lease is still recovered."""
+    return and_(job.c.lease_owner.startswith(process + "#", autoescape=True),
+                job.c.claimed_at.is_not(None), job.c.claimed_at >= since)
 
 
 def recover_owned(conn: Connection, *, process: str, now: datetime, limit: int) -> Recovered:
@@ -189,5 +201,5 @@ def requeue_lost(conn: Connection, *, refs: Sequence[EnqueuedRef], now: datetime
     return total
 
 
-__all__ = ["EnqueuedRef", "Recovered", "any_too_late", "enqueued_page", "expire_overdue",
-           "recover", "recover_owned", "requeue_lost"]
+__all__ = ["EnqueuedRef", "Recovered", "any_too_late", "claimed_since", "enqueued_page",
+           "expire_overdue", "recover", "recover_owned", "requeue_lost"]

@@ -7,8 +7,9 @@ share one backend; a route to the default URL is the default route.
 
 :class:`Routes` answers the three questions the rest asks: which URL serves
 a queue (producer checks, workers), which queues a broker serves (one relay
-lane per publishing broker, one consumer per broker in a worker), and the
-SQL condition a lane's claims carry so that it claims only its own queues.
+pipeline per publishing broker, one consumer per broker in a worker), and the
+SQL condition a relay pipeline's claims carry so that it claims only its
+own queues.
 """
 
 from __future__ import annotations
@@ -195,8 +196,9 @@ class Routes:
 def next_due(conn: Connection, where: ColumnElement[bool] | None) -> datetime | None:
     """The earliest ``due_at`` among ``SCHEDULED`` jobs matching ``where``
     (a route's queues): when a route's claim next finds a row.  Another
-    route's due jobs must not wake a lane: one whose broker is down leaves
-    its jobs due, and would keep every other lane busy claiming nothing."""
+    route's due jobs must not wake a relay's pipeline: one whose broker is
+    down leaves its jobs due, and would keep every other pipeline busy
+    claiming nothing."""
     cond: Any = job.c.state == JobState.SCHEDULED
     if where is not None:
         cond = and_(cond, where)

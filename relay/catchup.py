@@ -60,8 +60,9 @@ class TokenBucket:
 
 
 class CatchUp:
-    """The relay's catch-up policy: which jobs count as backlog, how fast it
-    may go, and which jobs are too late to run at all."""
+    """A pipeline's catch-up policy: which jobs count as backlog, how fast it
+    may go (per pipeline: each broker's backlog under its own limit), and
+    which jobs are too late to run at all."""
 
     def __init__(self, app: Duebox, batch_size: int) -> None:
         s = app.settings
@@ -94,14 +95,6 @@ class CatchUp:
             return max(wait, self.bucket.seconds_until(self.chunk, now))
         return wait
 
-    def lateness(self) -> dict[str, float]:
-        """Tasks with a ``max_lateness``, by name."""
-        out: dict[str, float] = {}
-        for name, task in self.app.tasks.items():
-            if task.max_lateness is not None:
-                out[name] = float(task.max_lateness)
-        return out
-
     def too_late(self, rec: jobstore.JobRecord, now: datetime) -> bool:
         """Past ``expires_at``, or later than its task's ``max_lateness``."""
         if rec.expired(now):
@@ -110,16 +103,23 @@ class CatchUp:
         late = task.max_lateness if task is not None else None
         return late is not None and rec.due_at + timedelta(seconds=late) < now
 
-    def sweep(self) -> int:
-        """SCHEDULED jobs past ``expires_at`` or their task's ``max_lateness``
-        become EXPIRED, a bounded batch per call (also serves ``sql://``, where
-        workers claim rows themselves).  A read first, so the common case
-        takes no write lock."""
-        now, lateness = self.app.clock.now(), self.lateness()
-        reader = self.app.engine.execution_options(**{SQLITE_DEFERRED: True})
-        with db_errors("expire"), reader.connect() as conn:
-            if not recovery.any_too_late(conn, now=now, lateness=lateness):
-                return 0
-        with db_errors("expire"), self.app.engine.begin() as conn:
-            return recovery.expire_overdue(conn, now=now, lateness=lateness,
-                                           limit=self.batch_size)
+
+def lateness(app: Duebox) -> dict[str, float]:
+    """Tasks with a ``max_lateness``, by name."""
+    return {name: float(task.max_lateness) for name, task in app.tasks.items()
+            if task.max_lateness is not None}
+
+
+def expire_too_late(app: Duebox, limit: int) -> int:
+    """SCHEDULED jobs past ``expires_at`` or their task's ``max_lateness``
+    become EXPIRED, a bounded batch per call: a step of the relay itself,
+    whatever its brokers (it also serves ``sql://``, where workers claim
+    rows themselves).  A read first, so the common case takes no write
+    lock."""
+    now, late = app.clock.now(), lateness(app)
+    reader = app.engine.execution_options(**{SQLITE_DEFERRED: True})
+    with db_errors("expire"), reader.connect() as conn:
+        if not recovery.any_too_late(conn, now=now, lateness=late):
+            return 0
+    with db_errors("expire"), app.engine.begin() as conn:
+        return recovery.expire_overdue(conn, now=now, lateness=late, limit=limit)

@@ -10,7 +10,7 @@ and left to the rate-limited catch-up claim (relay/catchup.py); a sharded
 relay's fence limits every claim to its shards; the lease covers the time a
 claimed job may wait in the relay's memory before it is published.
 
-The relay asks :meth:`Horizon.window` before each claim and
+A pipeline asks :meth:`Horizon.window` before each claim and
 :meth:`Horizon.reach` to know when the earliest due job comes in reach.
 """
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from duebox.brokers.base import Broker
 
 log = logging.getLogger("duebox.relay")
-# One for the process: a relay with many routes meets each broker's state as
-# new when it starts (1,000 routes: 1,000 lines), and says so once, counted.
+# One for the process: a relay with many pipelines meets each broker's state
+# as new when it starts (1,000 routes: 1,000 lines), and says so once, counted.
 _routine = CollapsedLog(log)
 
 # Reconciliation pages (of ``batch_size`` jobs) per pass while a sweep runs.
@@ -36,15 +36,15 @@ _SWEEP_PAGES_PER_PASS = 4
 
 class Reconciler:
     def __init__(self, app: Duebox, broker: Broker, batch_size: int, interval: float,
-                 *, active: bool, covers: Callable[[str], bool] | None = None) -> None:
+                 covers: Callable[[str], bool]) -> None:
         self.app = app
-        # A relay lane asks its broker about its route's queues only: another
+        # A pipeline asks its broker about its route's queues only: another
         # broker's jobs are not missing from this one.
         self.covers = covers
         self.broker = broker
         self.batch_size = batch_size
         self.interval = interval
-        self.active = active  # False: the broker cannot tell (or needs no reconciling)
+        self.active = True  # False once the broker said it cannot tell
         self.sweeping = False
         self._last = -float("inf")
         self._sweep: tuple[datetime, uuid.UUID] | None = None
@@ -69,7 +69,7 @@ class Reconciler:
         requeued = 0
         for _ in range(_SWEEP_PAGES_PER_PASS):
             page = await asyncio.to_thread(self._page, self._sweep)
-            refs = page if self.covers is None else [r for r in page if self.covers(r.queue)]
+            refs = [r for r in page if self.covers(r.queue)]
             missing = await self.broker.missing(refs) if refs or not page else []
             if missing is None:
                 self.active = self.sweeping = False

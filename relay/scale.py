@@ -1,15 +1,16 @@
-"""The relay's at-scale controls in one place (docs/scale.md): the fair,
-rate-limited claim, shard ownership and its fence, and backpressure.
+"""A pipeline's at-scale controls in one place (docs/scale.md): the fair,
+rate-limited claim, the fence of its route and of the relay's shards, and
+backpressure.
 
-Each is off, or idle, unless configured; the relay asks this object at a
+Each is off, or idle, unless configured; a pipeline asks this object at a
 few fixed points (claim, publish, mark, sleep, metrics) and nowhere else.
+The relay resolves the dispatch policy and holds the shard leases
+(relay/shards.py) for all its pipelines.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import uuid
 from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ from duebox.heartbeat import ProcessRow
 from duebox.metrics import Metrics
 
 from .backpressure import Backpressure
-from .shards import ShardConfig, ShardOwner
+from .shards import ShardOwner
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -32,28 +33,23 @@ log = logging.getLogger("duebox.relay")
 
 
 class ScaleControls:
-    def __init__(self, app: Duebox, name: str, policy: DispatchPolicy | None,
-                 shards: ShardConfig | None,
+    def __init__(self, app: Duebox, policy: DispatchPolicy | None, shards: ShardOwner | None,
                  route: ColumnElement[bool] | None = None) -> None:
         self.app = app
-        self.name = name
-        # A relay lane's queues (relay/routes.py): every claim and mark
-        # carries the condition, as it carries the shard fence.
+        # A pipeline's route (relay/pipeline.py): every claim and mark
+        # carries its queue condition, as it carries the shard fence.
         self.route = route
         self.policy = policy or DispatchPolicy.configured(app.settings)
         self.fair = FairPicker(self.policy) if self.policy.enabled else None
-        shards = shards or ShardConfig.from_env()
-        self.shards = (ShardOwner(shards, name, app.settings.clock_skew_margin)
-                       if shards is not None else None)
+        self.shards = shards
         self.backpressure = Backpressure()
-        self._lost_seen = 0
         self._throttled: dict[str, int] = {}
 
     # --- claim -----------------------------------------------------------------------
 
     def fence(self, now: datetime) -> ColumnElement[bool] | None:
         """The shard fence and route condition every claim and mark carries
-        (None: neither sharded nor a route's lane)."""
+        (None: neither sharded nor one route among several)."""
         shard = self.shards.fence(now) if self.shards is not None else None
         if self.route is None or shard is None:
             return shard if self.route is None else self.route
@@ -76,11 +72,6 @@ class ScaleControls:
 
     # --- shards ----------------------------------------------------------------------
 
-    def step_shards(self, held: Iterable[uuid.UUID]) -> None:
-        if self.shards is not None:
-            busy = {self.shards.shard_of_job(i) for i in held}
-            self.shards.step(self.app.engine, self.app.clock.now(), busy)
-
     def still_owned(self, records: list[jobstore.JobRecord]
                     ) -> tuple[list[jobstore.JobRecord], int]:
         """Just before publishing: only jobs of shards this relay still holds
@@ -95,10 +86,6 @@ class ScaleControls:
                         "lost (this relay paused or fell behind); their new owner publishes "
                         "them", dropped)
         return kept, dropped
-
-    def release(self) -> None:
-        if self.shards is not None:
-            self.shards.release_all(self.app.engine)
 
     def observe_workers(self, processes: Iterable[ProcessRow], interval: float) -> None:
         """Workers report how many of their handlers failed as throttled (a
@@ -121,19 +108,7 @@ class ScaleControls:
     # --- metrics ---------------------------------------------------------------------
 
     def observe(self, m: Metrics) -> None:
-        """Gauges for shard ownership, rate limiting and backpressure."""
-        if self.shards is not None:
-            m.shards_owned.labels(self.name).set(len(self.shards.owned))
-            for k in range(self.shards.config.count):
-                o = self.shards.owned.get(k)
-                if o is not None:
-                    m.shard_generation.labels(self.name, str(k)).set(o.generation)
-                else:
-                    with contextlib.suppress(KeyError):
-                        m.shard_generation.remove(self.name, str(k))
-            if self.shards.lost > self._lost_seen:
-                m.shards_lost.labels(self.name).inc(self.shards.lost - self._lost_seen)
-                self._lost_seen = self.shards.lost
+        """Gauges for rate limiting and backpressure."""
         if self.fair is not None:
             last = self.fair.last
             for kind in ("global", "queue", "tenant"):

@@ -32,6 +32,7 @@ theirs, so clock skew up to the margin cannot make two owners act at once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -45,6 +46,7 @@ from sqlalchemy.exc import IntegrityError
 
 from duebox.db import bound_idle_transaction, db_errors
 from duebox.errors import ConfigurationError
+from duebox.metrics import Metrics
 from duebox.tables import SHARD_SLOTS, job, lease, shard_of
 
 
@@ -104,7 +106,8 @@ def _live_relays(conn: Connection, now: datetime) -> int:
 
 
 class ShardOwner:
-    """One relay's shard leases."""
+    """One relay's shard leases (its pipelines' claims and marks carry
+    :meth:`fence`)."""
 
     def __init__(self, config: ShardConfig, owner: str, margin: float) -> None:
         self.config = config
@@ -112,6 +115,7 @@ class ShardOwner:
         self.margin = margin
         self.owned: dict[int, Owned] = {}
         self.lost = 0  # shards this relay found taken from it (metrics)
+        self._lost_counted = 0
 
     # --- the lease steps ---------------------------------------------------------
 
@@ -246,3 +250,17 @@ class ShardOwner:
 
     def shard_of_job(self, job_id: uuid.UUID) -> int:
         return self.config.shard_for(shard_of(job_id))
+
+    def observe(self, m: Metrics) -> None:
+        """Gauges of the shards this relay holds, and the count it lost."""
+        m.shards_owned.labels(self.owner).set(len(self.owned))
+        for k in range(self.config.count):
+            o = self.owned.get(k)
+            if o is not None:
+                m.shard_generation.labels(self.owner, str(k)).set(o.generation)
+            else:
+                with contextlib.suppress(KeyError):
+                    m.shard_generation.remove(self.owner, str(k))
+        if self.lost > self._lost_counted:
+            m.shards_lost.labels(self.owner).inc(self.lost - self._lost_counted)
+            self._lost_counted = self.lost

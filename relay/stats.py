@@ -1,21 +1,21 @@
 """What the relay counts: each pass's figures, the running totals, and the
-Prometheus metrics they feed (docs/observability.md)."""
+Prometheus metrics they feed (docs/observability.md).  The relay's own
+steps and each of its pipelines count apart, each under its backend label;
+the relay's totals are their sum."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from duebox.heartbeat import prune
+from duebox.heartbeat import ProcessRow, prune
 from duebox.metrics import DBCollector, Metrics, observe_many, seconds
 from duebox.records import JobRecord
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
-
-    from .scale import ScaleControls
 
 
 @dataclass
@@ -34,11 +34,25 @@ class PassStats:
     fenced: int = 0  # claimed jobs dropped unpublished: their shard lease was lost
     rerouted: int = 0  # enqueued jobs moved off a broker that no longer serves their queue
 
+    def add(self, other: PassStats) -> None:
+        """Count ``other``'s figures in too (a pipeline's pass into its relay's)."""
+        for name in PassStats.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 @dataclass
 class RelayTotals(PassStats):
     passes: int = 0
     errors: int = 0
+
+    @classmethod
+    def sum(cls, parts: Iterable[RelayTotals]) -> RelayTotals:
+        total = cls()
+        for part in parts:
+            total.add(part)
+            total.passes += part.passes
+            total.errors += part.errors
+        return total
 
 
 class RelayMetrics:
@@ -101,12 +115,6 @@ class RelayMetrics:
             if n:
                 self.metrics.recovered.labels(kind).inc(n)
 
-    def info(self) -> dict[str, object]:
-        """This relay's figures in its registry row."""
-        t = self.totals
-        return {"role": "relay", "backend": self.backend, "passes": t.passes,
-                "claimed": t.claimed, "published": t.published, "errors": t.errors}
-
     def add(self, stats: PassStats, a_pass: bool = True) -> None:
         """A pass (or a timer's publish, ``a_pass=False``) into the counters
         and totals."""
@@ -118,22 +126,32 @@ class RelayMetrics:
                            (m.reconciled, stats.reconciled)):
             if n:
                 counter.labels(b).inc(n)
-        t = self.totals
-        t.passes += a_pass
-        for name in PassStats.__dataclass_fields__:
-            setattr(t, name, getattr(t, name) + getattr(stats, name))
+        self.totals.passes += a_pass
+        self.totals.add(stats)
+
+    def error(self) -> None:
+        """A pass that failed (retried with backoff)."""
+        self.totals.errors += 1
+        self.metrics.relay_errors.labels(self.backend).inc()
 
 
-def collect(app: Duebox, collector: DBCollector, scale: ScaleControls) -> None:
+def figures(backend: str, totals: RelayTotals) -> dict[str, object]:
+    """A relay's (or one pipeline's) figures in its registry row."""
+    return {"backend": backend, "passes": totals.passes, "claimed": totals.claimed,
+            "published": totals.published, "errors": totals.errors}
+
+
+def collect(app: Duebox, collector: DBCollector,
+            workers: Callable[[Iterable[ProcessRow], float], None]) -> None:
     """The database snapshot behind the state gauges, what workers report
-    (for backpressure), and pruning of expired registry rows (run by the
-    relay's heartbeat task)."""
+    (``workers``: for backpressure), and pruning of expired registry rows
+    (run by the relay's heartbeat task)."""
     now = app.clock.now()
     snap = collector.collect(app.engine, now)
-    scale.observe_workers(snap.processes, collector.interval)
+    workers(snap.processes, collector.interval)
     if snap.expired_processes:
         with app.engine.begin() as conn:
             prune(conn, now=now, names=snap.expired_processes)
 
 
-__all__ = ["PassStats", "RelayMetrics", "RelayTotals", "collect"]
+__all__ = ["PassStats", "RelayMetrics", "RelayTotals", "collect", "figures"]

@@ -206,9 +206,12 @@ async def start(*parts: Relay | Worker) -> tuple[asyncio.Event, list[asyncio.Tas
     tasks = [asyncio.create_task(p.run(stop)) for p in parts]
 
     def ready() -> bool:
-        return all(p.broker._link is not None  # type: ignore[attr-defined]
-                   and (isinstance(p, Relay) or set(p.queues) <= p.broker._declared)  # type: ignore[attr-defined]
-                   for p in parts)
+        relays = [pl.broker for p in parts if isinstance(p, Relay) for pl in p.pipelines]
+        workers = [p for p in parts if not isinstance(p, Relay)]
+        return (all(b._link is not None for b in relays)  # type: ignore[attr-defined]
+                and all(w.broker._link is not None  # type: ignore[attr-defined]
+                        and set(w.queues) <= w.broker._declared  # type: ignore[attr-defined]
+                        for w in workers))
 
     await until(ready, seconds=20, what="relays and workers connected", check=alive(tasks))
     return stop, tasks
@@ -750,28 +753,30 @@ async def test_unroutable_publish_is_not_ok_and_not_lost(
     q = unique()
     app = make_app(sqlite_url, url, q)
     relay = Relay(app)
-    await relay.broker.open()
+    (pipeline,) = relay.pipelines
+    broker = pipeline.broker
+    await broker.open()
     try:
-        assert not await relay.broker.declare_queues([q])  # type: ignore[attr-defined]
+        assert not await broker.declare_queues([q])  # type: ignore[attr-defined]
         with admin(url) as ch:
-            ch.queue_delete(f"{relay.broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
-        [r] = await relay.broker.publish([Outgoing(message(q), 0.0)])
+            ch.queue_delete(f"{broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
+        [r] = await broker.publish([Outgoing(message(q), 0.0)])
         assert not r.ok
         assert "unroutable: 312 NO_ROUTE" in (r.error or "")
 
         job_id = schedule_committed(app, "effect")
-        await relay.broker.declare_queues([q])  # type: ignore[attr-defined]
+        await broker.declare_queues([q])  # type: ignore[attr-defined]
         with admin(url) as ch:
-            ch.queue_delete(f"{relay.broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
+            ch.queue_delete(f"{broker.topology.prefix}.q.{q}")  # type: ignore[attr-defined]
         stats = await relay.run_pass()
         assert (stats.published, stats.failed) == (0, 1)
         assert state(app, job_id) == "SCHEDULED"  # released, not lost
         stats = await relay.run_pass()  # the queue is declared again: published
         assert stats.published == 1
         assert state(app, job_id) == "ENQUEUED"
-        assert message_count(url, f"{relay.broker.topology.prefix}.q.{q}") == 1  # type: ignore[attr-defined]
+        assert message_count(url, f"{broker.topology.prefix}.q.{q}") == 1  # type: ignore[attr-defined]
     finally:
-        await relay.broker.close()
+        await broker.close()
 
 
 async def test_garbage_is_rejected_into_the_dead_letter_queue(

@@ -41,9 +41,10 @@ def test_a_direct_claim_backend_must_not_publish() -> None:
                 raise NotImplementedError
 
 
-def test_the_relay_has_a_publisher_only_where_the_backend_publishes() -> None:
+def test_the_relay_has_a_pipeline_only_where_the_backend_publishes() -> None:
     sql = duebox.Duebox("sqlite://", "sql://")
     memory = duebox.Duebox("sqlite://", "memory://")
-    assert Relay(sql).publisher is None
-    relay = Relay(memory)
-    assert relay.publisher is relay.broker
+    assert Relay(sql).pipelines == []
+    (pipeline,) = Relay(memory).pipelines
+    assert isinstance(pipeline.broker, PublishingBroker)
+    assert pipeline.broker.capabilities.name == "memory"

@@ -87,11 +87,12 @@ def check_never_early(broker: RecordingBroker) -> None:
 
 def check_rate(broker: RecordingBroker, relay: Relay, start: datetime) -> int:
     """Overdue releases never exceed the token bucket: burst + rate x elapsed."""
-    after = relay.catchup.after
+    (pipeline,) = relay.pipelines
+    after = pipeline.catchup.after
     times = sorted(now for now, _, msg in broker.log
                    if msg.due_at <= now - timedelta(seconds=after))
     for i, t in enumerate(times):
-        bucket = relay.catchup.bucket
+        bucket = pipeline.catchup.bucket
         allowed = bucket.burst + bucket.rate * (t - start).total_seconds()
         assert i + 1 <= allowed + 1e-6, f"{i + 1} overdue jobs released by {t}"
     return len(times)
@@ -114,6 +115,7 @@ async def test_three_days_down_with_a_one_minute_schedule(
         sid = app.schedules.add(s, "every-minute", "tick", "* * * * *", misfire=misfire)
     await relay.run_pass()
     assert broker.log == []
+    (pipeline,) = relay.pipelines
 
     clock.advance(3 * 86400 + 30)  # the relay is down for three days
     restart = clock.now()
@@ -121,9 +123,9 @@ async def test_three_days_down_with_a_one_minute_schedule(
     throttled_waits = []
     while clock.now() < end:
         await relay.run_pass()
-        busy = relay.catchup.throttled or relay.schedules.pending
-        if relay.catchup.throttled and not relay.schedules.pending:
-            throttled_waits.append(relay._seconds_until_next())
+        busy = pipeline.catchup.throttled or relay.schedules.pending
+        if pipeline.catchup.throttled and not relay.schedules.pending:
+            throttled_waits.append(pipeline.seconds_until_next())
         clock.advance(1 if busy else 10)
 
     with app.engine.connect() as conn:
@@ -202,8 +204,9 @@ async def test_backlog_drains_most_urgent_first_and_drops_what_is_too_late(
     assert overdue_first - set(ids["urgent"]) == set(ids["normal"][:20])
     assert first.caught_up == 50
     assert first.expired == 5  # past expires_at: swept before anything was claimed
-    assert relay.catchup.throttled
-    assert relay._seconds_until_next() > 0  # waits for tokens, does not spin
+    (pipeline,) = relay.pipelines
+    assert pipeline.catchup.throttled
+    assert pipeline.seconds_until_next() > 0  # waits for tokens, does not spin
 
     for _ in range(10):
         clock.advance(1)

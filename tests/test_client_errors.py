@@ -65,7 +65,7 @@ async def test_an_unexpected_exception_from_the_broker_client_does_not_end_the_r
     app = make_app(database_url, names.url())
     try:
         async with Running(app) as r:
-            broker = r.relays[0].broker
+            broker = r.relays[0].pipelines[0].broker
             publish = broker.publish
             failing = 5
 

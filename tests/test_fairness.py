@@ -137,7 +137,7 @@ async def test_a_small_class_keeps_progressing_under_a_flood(database_url: str,
     add(app, "bulk", 2000, T0 - timedelta(seconds=30), tenant="big", priority=9)
     add(app, "mail", 20, T0 - timedelta(seconds=1), tenant="small")
     if not fair:
-        relay.batch_size = 10  # the same throughput, in due order: one batch a pass
+        relay.pipelines[0].batch_size = 10  # the same throughput, in due order: one batch a pass
         await run_for_unfair(relay, clock, 10)
     else:
         await run_for(relay, clock, 10)
@@ -155,8 +155,9 @@ async def run_for_unfair(relay: Relay, clock: FakeClock, seconds: float) -> None
     for _ in range(round(seconds / 0.25)):
         clock.advance(0.25)
         owner = f"{relay.name}#{uuid.uuid4().hex[:6]}"
-        records = relay._claim(owner)[:10]
-        await relay._publish(records, owner, relay_stats())
+        (pipeline,) = relay.pipelines
+        records = pipeline.claim(owner)[:10]
+        await pipeline.publish(records, owner, relay_stats())
 
 
 def relay_stats() -> Any:

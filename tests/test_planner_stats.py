@@ -65,7 +65,8 @@ async def test_a_burst_is_analyzed_by_the_next_pass_and_only_once(server_url: st
         await relay.run_pass()  # within CHECK_EVERY of the last look: not even a look
         assert relay.planner_stats.refreshed == 1
     finally:
-        await relay.broker.close()
+        for pipeline in relay.pipelines:
+            await pipeline.broker.close()
         app.dispose()
 
 

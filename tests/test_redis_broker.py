@@ -78,7 +78,8 @@ async def publish_pass(app: duebox.Duebox) -> Any:
     try:
         return await relay.run_pass()
     finally:
-        await relay.broker.close()
+        for pipeline in relay.pipelines:
+            await pipeline.broker.close()
 
 
 def ready_message(app: duebox.Duebox, job_id: uuid.UUID) -> JobMessage:
@@ -558,6 +559,7 @@ async def test_relay_ignores_brokers_that_cannot_reconcile(database_url: str) ->
     try:
         relay = Relay(app)
         await relay.run_pass()
-        assert relay.reconciler.active is False
+        (pipeline,) = relay.pipelines
+        assert pipeline.reconciler.active is False
     finally:
         app.dispose()

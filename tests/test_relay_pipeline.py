@@ -5,13 +5,14 @@ changes nothing, and the claim beside it still happens."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from helpers import make_app
+from helpers import make_app, memory_url, wait_for
 
 import duebox
 from duebox import FakeClock, JobState, claims, jobstore, recovery
@@ -113,9 +114,11 @@ def test_several_marks_and_an_empty_claim(app: duebox.Duebox) -> None:
 
 
 class Recording(MemoryBroker):
-    """memory://, recording each publish, failing the ``fail_at``-th."""
+    """memory://, recording each publish, failing the ``fail_at``-th,
+    each taking ``seconds``."""
 
     fail_at: int | None = None
+    seconds = 0.0
 
     def __init__(self, url: str, context: BrokerContext) -> None:
         super().__init__(url, context)
@@ -123,6 +126,7 @@ class Recording(MemoryBroker):
 
     async def publish(self, batch: Sequence[Outgoing]) -> list[PublishResult]:
         self.batches.append([o.message.job_id for o in batch])
+        await asyncio.sleep(self.seconds)
         if self.fail_at is not None and len(self.batches) == self.fail_at:
             raise BrokerError("broker down")
         return await super().publish(batch)
@@ -141,7 +145,7 @@ async def test_pipelined_pass_publishes_and_marks_every_batch(app: duebox.Duebox
     assert (stats.claimed, stats.published, stats.marked, stats.lost_marks) == (23, 23, 23, 0)
     assert [len(b) for b in broker.batches] == [5, 5, 5, 5, 3]
     assert rows(app, ids) == dict.fromkeys(ids, (JobState.ENQUEUED, None))
-    assert relay._unmarked == []
+    assert relay.pipelines[0]._unmarked == []
 
 
 async def test_publish_failure_releases_the_batch_claimed_meanwhile(
@@ -157,7 +161,7 @@ async def test_publish_failure_releases_the_batch_claimed_meanwhile(
     first = set(broker.batches[0])
     assert {states[i] for i in first} == {(JobState.ENQUEUED, None)}
     assert {states[i] for i in ids if i not in first} == {(JobState.SCHEDULED, None)}
-    assert relay._unmarked == []
+    assert relay.pipelines[0]._unmarked == []
 
 
 async def test_claim_failure_still_marks_the_batch_being_published(
@@ -167,7 +171,8 @@ async def test_claim_failure_still_marks_the_batch_being_published(
     lease expiry."""
     ids = add(app, 10)
     relay, broker = recording_relay(app, 5)
-    real = relay._claim_and_mark
+    (pipeline,) = relay.pipelines
+    real = pipeline.claim_and_mark
     calls = []
 
     def flaky(*args: object, **kw: object) -> object:
@@ -177,7 +182,7 @@ async def test_claim_failure_still_marks_the_batch_being_published(
             raise DatabaseError("claim: connection lost")
         return real(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(relay, "_claim_and_mark", flaky)
+    monkeypatch.setattr(pipeline, "claim_and_mark", flaky)
     with pytest.raises(DatabaseError):
         await relay.run_pass()
     states = rows(app, ids)
@@ -185,4 +190,31 @@ async def test_claim_failure_still_marks_the_batch_being_published(
     assert len(broker.batches) == 1
     assert {states[i] for i in first} == {(JobState.ENQUEUED, None)}
     assert {states[i] for i in ids if i not in first} == {(JobState.SCHEDULED, None)}
-    assert relay._unmarked == []
+    assert relay.pipelines[0]._unmarked == []
+
+
+async def test_a_publish_slower_than_the_lease_is_left_to_the_pipeline_publishing_it(
+        database_url: str) -> None:
+    """The broker confirms each batch after twice the claim's lease.  The
+    relay's own recovery (every 50 ms) runs meanwhile, beside its pipeline,
+    and must leave that claim to the pipeline still publishing it: each job
+    is claimed, published and marked once, none recovered, no mark lost.
+    (Another relay's recovery does take it back: the claimer may be paused.)"""
+    app = make_app(database_url, lease_seconds=0.4, clock_skew_margin=0.05)
+    broker = Recording(memory_url(), BrokerContext(app.engine, app.clock, app.settings, "r"))
+    broker.seconds = 1.0
+    ids = add(app, 6)
+    relay = Relay(app, broker=broker, batch_size=3, recover_interval=0.05)
+    stop = asyncio.Event()
+    running = asyncio.create_task(relay.run(stop))
+    try:
+        await wait_for(lambda: set(rows(app, ids).values()) == {(JobState.ENQUEUED, None)},
+                       timeout=30, what="every job published and marked",
+                       check=lambda: running.result() if running.done() else None)
+    finally:
+        stop.set()
+        await running
+        app.dispose()
+    t = relay.totals
+    assert (t.claimed, t.published, t.marked, t.lost_marks, t.recovered) == (6, 6, 6, 0, 0), t
+    assert sorted(i for batch in broker.batches for i in batch) == sorted(ids)

@@ -30,14 +30,15 @@ async def test_a_trickle_coming_within_reach_is_claimed_together_and_in_time(
         database_url: str) -> None:
     clock = FakeClock(T0)
     app, relay, _ = make(database_url, clock, max_delay=0.0)  # kafka://: no native delay
-    reach = relay.horizon.reach()
+    (pipeline,) = relay.pipelines
+    reach = pipeline.horizon.reach()
     assert reach == app.settings.poll_interval + 1.0
     with Session(app.engine) as s, s.begin():
         app.schedule_many(s, [app.new_job("tick", {"n": i}, at=T0 + FIRST + i * EVERY)
                               for i in range(JOBS)])
 
-    # The relay's own loop (Relay.run), on the fake clock: a pass, then the
-    # wait it chooses, until every job has been claimed.
+    # The pipeline's own loop (Pipeline.run), on the fake clock: a pass, then
+    # the wait it chooses, until every job has been claimed.
     passes = 0
     while passes < 10 * JOBS:
         await relay.run_pass()
@@ -47,7 +48,7 @@ async def test_a_trickle_coming_within_reach_is_claimed_together_and_in_time(
                 job.c.state == JobState.SCHEDULED)).scalar_one()
         if not left:
             break
-        wait = relay._seconds_until_next()
+        wait = pipeline.seconds_until_next()
         assert wait >= 0
         clock.advance(max(wait, 0.001))
     with app.engine.connect() as conn:
@@ -69,12 +70,13 @@ async def test_a_trickle_coming_within_reach_is_claimed_together_and_in_time(
 async def test_a_job_already_within_reach_is_claimed_at_once(database_url: str) -> None:
     clock = FakeClock(T0)
     app, relay, _ = make(database_url, clock, max_delay=0.0)
-    reach = relay.horizon.reach()
+    (pipeline,) = relay.pipelines
+    reach = pipeline.horizon.reach()
     assert reach is not None
     await relay.run_pass()  # its first recovery and sweeps done: nothing else is pending
-    assert relay._seconds_until_next() > 0
+    assert pipeline.seconds_until_next() > 0
     with Session(app.engine) as s, s.begin():
         # Just within reach: a slack added to it would put the claim off.
         app.schedule(s, "tick", {}, at=T0 + timedelta(seconds=reach - 0.1))
     # Not claimed yet (no pass since it was written): the next pass is now.
-    assert relay._seconds_until_next() == 0.0
+    assert pipeline.seconds_until_next() == 0.0

@@ -242,24 +242,27 @@ async def test_a_stalled_broker_stalls_only_its_route(db_url: str, redis_keys: K
             app.dispose()
 
 
-async def test_relay_lanes_follow_the_routes(tmp_path: Any, redis_keys: Keys) -> None:
+async def test_relay_pipelines_follow_the_routes(tmp_path: Any, redis_keys: Keys) -> None:
     """A relay with routes keeps recovery and schedules to itself and runs a
-    lane per publishing route; the sql:// route gets none."""
+    pipeline per publishing route; the sql:// route gets none."""
     app = make_app(f"sqlite:///{tmp_path}/d.db", "sql://",
                    broker_routes={"emails": redis_keys.url()})
     try:
         relay = Relay(app)
-        assert relay.publisher is None
-        assert relay.lanes is not None
-        (lane,) = relay.lanes.lanes
-        assert isinstance(lane.broker, RedisBroker)
-        (shown,) = relay.lanes.info(relay.observe.info)["routes"]  # the registry row's
+        (pipeline,) = relay.pipelines
+        assert isinstance(pipeline.broker, RedisBroker)
+        assert pipeline.route.queues == ("emails",)
+        info = relay._info()  # the registry row's
+        assert info["backend"] == "routes"
+        (shown,) = info["routes"]  # type: ignore[misc]
         assert shown["backend"] == "redis"
         assert shown["queues"] == ["emails"]
         assert relay.rerouting.active
         # A relay given its broker serves just that: it moves no job between routes.
-        given = Relay(app, broker=app.broker(queue="emails"))
-        assert given.lanes is None
+        emails = app.broker(queue="emails")
+        given = Relay(app, broker=emails)
+        assert [p.broker for p in given.pipelines] == [emails]
+        assert given.pipelines[0].route.covers("any queue")
         assert not given.rerouting.active
         with pytest.raises(ConfigurationError, match="shards"):
             Relay(app, shards=ShardConfig(2))

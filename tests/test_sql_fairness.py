@@ -208,9 +208,9 @@ def test_one_setting_configures_relay_and_sql_worker_alike(tmp_path: Path) -> No
         assert isinstance(broker, SQLBroker)
         assert broker.fair is not None
         assert broker.fair.policy == expected
-        assert Relay(app).scale.policy == expected
+        assert Relay(app).policy == expected
         app.configure(dispatch_policy={"fair": True})
-        assert Relay(app).scale.policy == DispatchPolicy(fair=True)
+        assert Relay(app).policy == DispatchPolicy(fair=True)
     finally:
         app.dispose()
 

@@ -87,7 +87,8 @@ async def relay_pass(app: duebox.Duebox) -> Any:
     try:
         return await relay.run_pass()
     finally:
-        await relay.broker.close()
+        for pipeline in relay.pipelines:
+            await pipeline.broker.close()
 
 
 class BackendContract:

@@ -104,17 +104,18 @@ class TestAMQPContract(BackendContract):
         never early.  (Whether they ran from the broker's copy or the
         relay's recovery also depends on how soon the worker reconnects.)"""
         relay = running.relays[0]
+        (pipeline,) = relay.pipelines
         errors = relay.totals.errors
         # A running relay keeps jobs due within its near window to itself and
         # publishes them just before due; these must wait in the broker.
-        near, relay.near_window = relay.near_window, 0.0
+        near, pipeline.near_window = pipeline.near_window, 0.0
         try:
             held = [schedule_committed(app, "effect", {"held": i}, delay=HELD_DELAY)
                     for i in range(3)]
             await running.wait(lambda: all_in(app, held, "ENQUEUED"), timeout=15,
                                what="the held jobs handed to the broker")
         finally:
-            relay.near_window = near
+            pipeline.near_window = near
         await wait_for(lambda: held_in_broker(app) >= len(held), timeout=15, interval=0.3,
                        what="the held jobs waiting out their delay in the broker")
         try:

@@ -46,7 +46,7 @@ pytestmark = [pytest.mark.contract, pytest.mark.backend_kafka, pytest.mark.postg
 
 
 def held(r: Running) -> int:
-    return sum(len(x._held) for x in r.relays)
+    return sum(len(p.held) for x in r.relays for p in x.pipelines)
 
 
 class TestKafkaContract(BackendContract):

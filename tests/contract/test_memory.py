@@ -32,7 +32,7 @@ class TestMemoryContract(BackendContract):
         is gone.  For the outage, the hub drops what is visible and every
         message whose delay ends (at least one); the job table's
         ``redeliver_after`` backstop must publish those jobs again."""
-        broker = running.relays[0].broker
+        broker = running.relays[0].pipelines[0].broker
         assert isinstance(broker, MemoryBroker)
         assert broker.capabilities.durability is Durability.NONE
         lost: list[object] = []
