@@ -50,7 +50,7 @@ from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
 from duebox.metrics import DBCollector, Metrics, process_metrics
 from duebox.planner_stats import PlannerStats
-from duebox.timing import NEAR_WINDOW
+from duebox.timing import NEAR_WINDOW_SECONDS
 from duebox.waiting import wait_any
 
 from .catchup import CatchUp
@@ -90,7 +90,7 @@ class Relay:
         metrics: Metrics | None = None,
         heartbeat_interval: float = 5.0,
         collect_interval: float = 5.0,
-        near_window: float = NEAR_WINDOW,
+        near_window: float = NEAR_WINDOW_SECONDS,
         lead: float | None = None,
         policy: DispatchPolicy | None = None,
         shards: ShardConfig | None = None,
