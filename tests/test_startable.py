@@ -2,7 +2,8 @@
 delivered job: the worker's usual start (jobstore.start_many), the batch
 lane's lock (unstarted.lock_startable), your own consumer's completion
 (own_queues.complete_steps), and the reason a start gives for a row it did
-not take (jobstore.why_not_started).  Each path is run on the same rows, each
+not take (jobstore.why_not_started), and a claimed record's own check
+(JobRecord.expired).  Each path is run on the same rows, each
 in a transaction rolled back afterwards, on SQLite, PostgreSQL and MariaDB:
 the copies of the condition these paths used to carry had drifted apart
 (expiry checked at three different instants, or not at all)."""
@@ -24,6 +25,8 @@ from duebox import jobstore, unstarted
 from duebox.message import JobMessage, MessageRef
 from duebox.own_queues import Completion, complete_steps
 from duebox.producer import drive_sync
+from duebox.records import ROW_COLUMNS
+from duebox.records import records as read_records
 from duebox.states import Discard, JobState
 from duebox.tables import job
 
@@ -198,6 +201,24 @@ def test_a_start_ahead_checks_expiry_when_the_job_starts_on_every_path(
     assert why == {"due_within": Discard.LOCKED, "expires_after_its_start": Discard.LOCKED,
                    "expires_before_its_start": Discard.EXPIRED,
                    "due_beyond": Discard.NOT_DUE, "expired": Discard.EXPIRED}
+
+
+def test_a_claimed_record_is_expired_when_the_start_would_refuse_it(
+        app: duebox.Duebox) -> None:
+    """A job a ``sql://`` worker or a relay claimed holds its record, and
+    they ask it (JobRecord.expired) whether the job is past its expiry: the
+    answer must be the start's, also for a job claimed ahead of its due
+    time whose expiry falls before it."""
+    now = datetime.now(UTC)
+    messages = put(app, now, DUE_AHEAD)
+    why = reasons(app, messages, now, now + timedelta(seconds=AHEAD))
+    with app.engine.connect() as conn:
+        records = {name: read_records(conn.execute(
+            sa.select(*ROW_COLUMNS).where(job.c.id == m.job_id)).all())[0]
+            for name, m in messages.items()}
+    assert ({name for name, rec in records.items() if rec.expired(now)}
+            == {name for name, reason in why.items() if reason is Discard.EXPIRED}
+            == {"expires_before_its_start", "expired"})
 
 
 @pytest.mark.postgres
