@@ -55,7 +55,7 @@ from .amqp_pack import HEADER_PACK
 from .amqp_settings import OWN_PARAMS, AMQPSettings, topology_of
 from .amqp_topology import MAX_DELAY_MS, ExchangeDecl, check_queue_name, delay_ms, tier_at
 from .base import (
-    HANDOVER_LEAD,
+    HANDOVER_LEAD_SECONDS,
     BrokerContext,
     Capabilities,
     Delivery,
@@ -109,7 +109,7 @@ class AMQPBroker(PublishingBroker):
         payload_limit=PAYLOAD_LIMIT,
         redelivers_unacked=True,
         prompt_redelivery=True,
-        publish_lead=HANDOVER_LEAD,  # TTL tiers are coarse: the relay holds the last seconds
+        publish_lead=HANDOVER_LEAD_SECONDS,  # coarse TTL tiers: the relay holds the last seconds
         in_flight_after_cancel="waits out its delay in the broker, then is delivered and "
                                "discarded by the version check",
     )

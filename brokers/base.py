@@ -31,7 +31,7 @@ from duebox.seam import (
     PublishResult,
     refused,
 )
-from duebox.timing import HANDOVER_LEAD
+from duebox.timing import HANDOVER_LEAD_SECONDS
 
 log = logging.getLogger("duebox.broker")
 
@@ -344,7 +344,7 @@ def parse_params(url: str) -> dict[str, str]:
 # The seam's shared types (core/seam.py) are re-exported: backends and users
 # import them from here.
 __all__ = [
-    "HANDOVER_LEAD",
+    "HANDOVER_LEAD_SECONDS",
     "MAX_BUFFER",
     "Broker",
     "BrokerContext",

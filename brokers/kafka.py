@@ -52,7 +52,7 @@ from duebox.errors import BrokerError, MissingDependencyError
 from duebox.logs import CollapsedLog, kind_of
 
 from .base import (
-    HANDOVER_LEAD,
+    HANDOVER_LEAD_SECONDS,
     BrokerContext,
     Capabilities,
     Delivery,
@@ -127,7 +127,7 @@ class KafkaBroker(PublishingBroker):
                         "again",
         payload_limit=1024 * 1024,
         redelivers_unacked=True,
-        publish_lead=HANDOVER_LEAD,  # no delay at all: the relay holds jobs until due
+        publish_lead=HANDOVER_LEAD_SECONDS,  # no delay at all: the relay holds jobs until due
         in_flight_after_cancel="nothing is in flight before the due time (jobs are "
                                "published when due); a message already published is "
                                "discarded by the version check",

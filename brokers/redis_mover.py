@@ -20,7 +20,7 @@ from typing import Any
 from duebox.clock import Clock
 from duebox.errors import MissingDependencyError
 from duebox.logs import CollapsedLog
-from duebox.timing import HANDOVER_GATHER, HANDOVER_LEAD
+from duebox.timing import HANDOVER_GATHER, HANDOVER_LEAD_SECONDS
 from duebox.waiting import wait_any
 
 from .redis_settings import Keys
@@ -36,10 +36,10 @@ log = logging.getLogger("duebox.brokers.redis")
 MOVE_LIMIT = 1000  # members per mover call: bounds the time a script blocks Redis
 IDLE_WAKE = 1.0  # the mover looks at least this often, in case a wake was missed
 # The mover hands a parked job to its stream this long before its score
-# (core/timing.py HANDOVER_LEAD); the worker holds the handler to the due time.
-MOVE_LEAD_MS = HANDOVER_LEAD * 1000.0
+# (core/timing.py HANDOVER_LEAD_SECONDS); the worker holds the handler to the due time.
+MOVE_LEAD_MS = HANDOVER_LEAD_SECONDS * 1000.0
 # ... together with what is due this much after it (core/timing.py).
-MOVE_GATHER_MS = HANDOVER_GATHER * 1000.0
+MOVE_GATHER_MS = HANDOVER_GATHER.total_seconds() * 1000.0
 
 
 def reraise_lost_cancel() -> None:

@@ -58,7 +58,7 @@ from .base import (
 _HOLD_LIMIT = 1_024
 # A held claimed job goes to the worker this long before its due time, with
 # those due within HANDOVER_GATHER after it (one batch of the worker's lane).
-_HAND_OVER = SQL_HANDOVER_LEAD + timedelta(seconds=HANDOVER_GATHER)
+_HAND_OVER = SQL_HANDOVER_LEAD + HANDOVER_GATHER
 # Rows per claim at most: turning a claim's rows into records holds the GIL,
 # and a claim of hundreds kept due jobs waiting for the event loop for tens
 # of milliseconds; several smaller claims interleave with the hand-offs.

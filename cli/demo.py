@@ -66,7 +66,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 # worker start after the jobs are written (connections, the broker's
 # topology: 0.6 s on MariaDB with RabbitMQ), and a job due before they run
 # measures their start-up, not duebox's punctuality.  Scheduled first, every
-# job is in the relay's first look (NEAR_WINDOW): scheduled after the start,
+# job is in the relay's first look (NEAR_WINDOW_SECONDS): scheduled after the start,
 # those due within a poll interval would wait for its next look on a
 # database without LISTEN/NOTIFY (SQLite, MySQL, MariaDB).
 START_LEAD = 2.0

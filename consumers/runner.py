@@ -27,7 +27,7 @@ in a batch, the batch lets it go (``Batch.detach``): the jobs behind it go
 back in line for the free threads, the ones before it are committed.
 
 Deliveries handed over a moment before their due time (Redis, RabbitMQ and
-Kafka hand over ``HANDOVER_LEAD`` early, ``sql://`` its claimed jobs
+Kafka hand over ``HANDOVER_LEAD_SECONDS`` early, ``sql://`` its claimed jobs
 ``SQL_HANDOVER_LEAD`` early) wait here on one timer until
 ``LANE_LOCK_LEAD`` before their due time, then join the line; the batch
 holds each handler to its due time in its thread (core/timing.py says why
@@ -71,7 +71,6 @@ log = logging.getLogger("duebox.worker")
 # together.
 Settled = tuple[Delivery | None, jobstore.JobRecord, Outcome, datetime]
 
-_GATHER = timedelta(seconds=HANDOVER_GATHER)
 _EVER = datetime.max.replace(tzinfo=UTC)  # stopping: every held delivery, in due order
 # A started job that waited longer than this for a thread is read again
 # before it runs alone (a cancel may have landed).
@@ -289,7 +288,7 @@ class Runner:
         HANDOVER_GATHER after them, join the line (``everything``: all of
         them, when stopping); the timer is set for the next."""
         self._timer = self._timer_for = None
-        until = self.app.clock.now() + LANE_LOCK_LEAD + _GATHER
+        until = self.app.clock.now() + LANE_LOCK_LEAD + HANDOVER_GATHER
         self._lane.extend(self._ahead.take_all(_EVER if everything else until))
         self._schedule()
         self._arm()

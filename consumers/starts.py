@@ -78,5 +78,5 @@ class Starts:
                     results.append((rec, None))
                 else:  # also a second copy of a message in the same batch
                     results.append((None, jobstore.why_not_started(
-                        conn, message, now + timedelta(seconds=its_ahead))))
+                        conn, message, now, now + timedelta(seconds=its_ahead))))
             return results

@@ -49,7 +49,7 @@ from duebox.metrics import Metrics, observe_many, process_metrics, seconds
 from duebox.registry import check_queue_name
 from duebox.states import Discard
 from duebox.tasks import Task
-from duebox.timing import EARLY_HOLD, EXECUTOR_HOLD_MOST, REREAD_LEAD
+from duebox.timing import EARLY_HOLD_SECONDS, EXECUTOR_HOLD_MOST, REREAD_LEAD
 
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
@@ -347,7 +347,7 @@ class Worker:
             return
         clock = self.app.clock
         early = (msg.due_at - clock.now()).total_seconds()
-        if early > EARLY_HOLD and delivery.claimed is None:
+        if early > EARLY_HOLD_SECONDS and delivery.claimed is None:
             # Held or deferred only if the job table says it may wait.
             checked = await self._early(delivery, msg)
             if checked is None:
@@ -436,7 +436,7 @@ class Worker:
             await self.broker.reject(delivery, reason)
             return None
         early = (due_at - self.app.clock.now()).total_seconds()
-        if early > EARLY_HOLD:
+        if early > EARLY_HOLD_SECONDS:
             await self._defer(delivery, msg, early)
             return None
         return early

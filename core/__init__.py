@@ -39,37 +39,38 @@ from .tasks import JobContext, RetryPolicy, Task
 
 __version__ = "0.1.0"
 
-# The relay and the consumer side live in duebox.relay and duebox.consumers,
-# above core (core imports nothing from them at import time, and `import
-# duebox` loads no broker driver); these names are resolved on first use.
-_LAZY = {
-    "dedupe": "duebox.consumers.dedupe",
-    "SQLDedupeStore": "duebox.consumers.dedupe",
-    "RedisDedupeStore": "duebox.consumers.dedupe",
-    "DUPLICATE": "duebox.consumers.dedupe",
-    "Worker": "duebox.consumers.worker",
-    "Relay": "duebox.relay.relay",
-    "Background": "duebox.cli.background",
-}
+# The built-in broker backends, each registered by URL scheme with a function
+# that imports it on first use (no driver is imported here): the one import
+# of the package's face from a floor above core besides duebox.above.
+from .brokers import schemes as _schemes  # noqa: F401  (after core: it imports core)
 
-if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from duebox.cli.background import Background
-    from duebox.consumers.dedupe import DUPLICATE, RedisDedupeStore, SQLDedupeStore, dedupe
-    from duebox.consumers.worker import Worker
-    from duebox.relay.relay import Relay
+if TYPE_CHECKING:  # what the names from the floors above are, for type checkers and IDEs
+    from .above import (
+        DUPLICATE,
+        Background,
+        RedisDedupeStore,
+        Relay,
+        SQLDedupeStore,
+        Worker,
+        dedupe,
+    )
+
+# The names duebox.above holds, imported on first use: `import duebox` loads
+# neither the worker nor the relay nor the CLI.
+_ABOVE = frozenset({"DUPLICATE", "Background", "RedisDedupeStore", "Relay", "SQLDedupeStore",
+                    "Worker", "dedupe"})
 
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _ABOVE:
         raise AttributeError(f"module 'duebox' has no attribute {name!r}")
-    import importlib
+    from . import above
 
-    return getattr(importlib.import_module(module), name)
+    return getattr(above, name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_ABOVE})
 
 
 __all__ = [

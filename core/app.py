@@ -41,12 +41,11 @@ from .producer import (
     tables_first,
 )
 from .registry import (
-    ROUTED_BROKER,
     broker_class,
     check_broker_url,
     check_queue_name,
-    load,
     message_limit,
+    routed_broker_class,
 )
 from .routes import Routes
 from .schedules import Schedules
@@ -179,7 +178,7 @@ class Duebox:
         if queues is not None:
             by_url = self.routes.split(queues)
             if len(by_url) > 1:
-                routed: Broker = load(ROUTED_BROKER)(
+                routed: Broker = routed_broker_class()(
                     [(self.broker_at(url, worker_name), qs) for url, qs in by_url.items()],
                     BrokerContext(self.engine, self.clock, self.settings, worker_name))
                 return routed

@@ -14,6 +14,10 @@ rows between them without waiting.  Every claim is built from those two:
   — the fair claim (core/fair_claim.py) picks rows class by class, then
   leases exactly those.
 
+Beside it the other predicate a job's row is matched with, :func:`startable`:
+whether a delivered message may start its job (the worker's start, the batch
+lane's lock, your own consumer's completion).
+
 Lease owners are unique per claim (``process token`` + sequence), which makes
 the owner a fencing token on its own; ``lease_generation`` is bumped on every
 claim, and completion checks both (core/jobstore.py).
@@ -22,12 +26,12 @@ claim, and completion checks both (core/jobstore.py).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Connection, and_, case, select, update
+from sqlalchemy import ColumnElement, Connection, and_, case, literal, or_, select, update
 from sqlalchemy.sql import Select, Update
 
 from .records import (
@@ -39,7 +43,7 @@ from .records import (
     open_attempts,
     records,
 )
-from .states import JobState
+from .states import STARTABLE_STATES, JobState
 from .tables import job
 
 
@@ -133,6 +137,61 @@ def next_due(conn: Connection, after: datetime | None = None) -> datetime | None
         where = and_(where, job.c.due_at > after)
     return conn.execute(select(job.c.due_at).where(where).order_by(job.c.due_at).limit(1)
                         ).scalar()
+
+
+# --- the start: which rows a delivered message may start ----------------------------
+
+
+def in_states(states: Collection[JobState] = STARTABLE_STATES) -> ColumnElement[bool]:
+    """``state IN (...)`` with one bound parameter per state, not one
+    expanding list: the statement may then go with executemany too (the
+    batch lane's completion), and reads the same on every path."""
+    return job.c.state.in_([literal(s.value, job.c.state.type) for s in sorted(states)])
+
+
+class StartChecks(NamedTuple):
+    """The parts of :func:`startable`, each a condition on the job's row,
+    so a caller can also say which one a row failed (``select`` them)."""
+
+    in_state: ColumnElement[bool]  # a state a message may start the job from
+    due: ColumnElement[bool]  # due by the instant asked about
+    unexpired: ColumnElement[bool]  # not past ``expires_at`` when it starts
+
+
+Instant = datetime | ColumnElement[Any]
+
+
+def start_checks(now: Instant, due_by: Instant | None = None, *,
+                 states: Collection[JobState] = STARTABLE_STATES) -> StartChecks:
+    """:func:`startable`'s parts (see there)."""
+    unexpired = or_(job.c.expires_at.is_(None),
+                    and_(job.c.expires_at > now, job.c.expires_at > job.c.due_at))
+    return StartChecks(in_states(states), job.c.due_at <= (now if due_by is None else due_by),
+                       unexpired)
+
+
+def startable(now: Instant, due_by: Instant | None = None, *,
+              states: Collection[JobState] = STARTABLE_STATES) -> ColumnElement[bool]:
+    """The start predicate, beside :func:`due` (the claim's): the job a
+    delivered message names (the caller matches its id and version) may
+    start now — in one of ``states`` (:data:`~duebox.states.STARTABLE_STATES`:
+    the relay's mark may not have landed, a recovered job may be redelivered;
+    your own consumer's completion adds ``DELIVERED``), due by ``due_by``
+    (default ``now``; later: started ahead, its handler held to its due
+    time), and not expired when it starts.
+
+    **Expiry is checked at the instant the job starts**: the later of
+    ``now`` and its ``due_at`` — what ``started_at`` records and the first
+    moment its handler may run.  Not ``now`` alone: a job started ahead
+    whose ``expires_at`` falls between now and its due time (a retry or a
+    reschedule can move ``due_at`` past ``expires_at``) would run expired.  Not ``due_by``:
+    that is the latest due time a batch allows, and would refuse a job that
+    starts before it and before its expiry.  A job past its expiry is
+    refused on every path the same way.
+
+    ``now`` and ``due_by`` may be bound parameters or SQL (the database
+    server's clock), for statements built once."""
+    return and_(*start_checks(now, due_by, states=states))
 
 
 # --- the relay's claim --------------------------------------------------------
@@ -262,15 +321,19 @@ __all__ = [
     "Candidate",
     "ClassKey",
     "JobRecord",
+    "StartChecks",
     "claim_for_dispatch",
     "claim_for_run",
     "claim_selected",
     "class_candidates",
     "dispatch_claim",
     "due",
+    "in_states",
     "lease",
     "locked",
     "next_due",
+    "start_checks",
+    "startable",
     "tenant_is",
     "update_locked",
 ]

@@ -43,7 +43,7 @@ from .rate_buckets import Held, bucket_wait, lock_buckets, spend_buckets
 from .records import JobRecord
 from .states import JobState
 from .tables import job
-from .timing import MIN_REFILL
+from .timing import MIN_REFILL_SECONDS
 
 
 def _scheduled(*conds: ColumnElement[bool]) -> ColumnElement[bool]:
@@ -188,7 +188,7 @@ class FairPicker:
 
     @staticmethod
     def _refill(b: Held) -> int:
-        return max(1, math.ceil(b.limit.rate * MIN_REFILL))
+        return max(1, math.ceil(b.limit.rate * MIN_REFILL_SECONDS))
 
     def _take(
         self, conn: Connection, g: Group, keys: list[ClassKey], share: int,

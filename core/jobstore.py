@@ -29,14 +29,13 @@ from sqlalchemy import (
     delete,
     func,
     literal,
-    or_,
     select,
     tuple_,
     update,
 )
 from sqlalchemy.sql import Select, Update
 
-from .claims import lease
+from .claims import lease, start_checks, startable
 from .db import NOTIFY_CHANNEL
 from .errors import LeaseLostError
 from .message import JobMessage
@@ -105,9 +104,7 @@ _S_NOW = bindparam("s_now", type_=job.c.updated_at.type)
 _START_CANDIDATES = (
     select(job.c.id)
     .where(tuple_(job.c.id, job.c.version).in_(bindparam("s_pairs", expanding=True)),
-           job.c.state.in_(list(STARTABLE_STATES)),
-           job.c.due_at <= bindparam("s_due_by", type_=job.c.due_at.type),
-           or_(job.c.expires_at.is_(None), job.c.expires_at > _S_NOW))
+           startable(_S_NOW, bindparam("s_due_by", type_=job.c.due_at.type)))
     .order_by(job.c.id).with_for_update()
 )
 _START_VALUES: dict[str, Any] = {
@@ -130,21 +127,26 @@ _START = (
 )
 
 
-def why_not_started(conn: Connection, message: JobMessage, now: datetime) -> Discard:
-    """Name the reason a start matched no row, for logs and metrics."""
+def why_not_started(conn: Connection, message: JobMessage, now: datetime,
+                    due_by: datetime | None = None) -> Discard:
+    """Name the reason a start at ``now`` (due by ``due_by``, as
+    :func:`start_many` was asked) matched no row, for logs and metrics: the
+    part of :func:`duebox.claims.startable` the row fails, read in the same
+    terms as the start's statement, or ``locked`` if it fails none."""
+    checks = start_checks(now, due_by)
     row = conn.execute(
-        select(job.c.state, job.c.version, job.c.due_at, job.c.expires_at)
+        select(job.c.state, job.c.version, checks.due.label("due"),
+               checks.unexpired.label("unexpired"))
         .where(job.c.id == message.job_id)
     ).first()
     if row is None:
         return Discard.UNKNOWN_JOB
-    state, version, due_at, expires_at = row
-    refused = _not_runnable(message, state, version)
+    refused = _not_runnable(message, row.state, row.version)
     if refused is not None:
         return refused
-    if due_at > now:
+    if not row.due:
         return Discard.NOT_DUE
-    if expires_at is not None and expires_at <= now:
+    if not row.unexpired:
         return Discard.EXPIRED
     return Discard.LOCKED
 

@@ -16,8 +16,9 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, case, func, literal, select, update
+from sqlalchemy import ColumnElement, and_, case, func, literal, select, update
 
+from .claims import start_checks
 from .clock import as_utc, server_time_after
 from .errors import ConfigurationError
 from .registry import broker_class, check_queue_name
@@ -104,7 +105,9 @@ class Completion(StrEnum):
 
     DONE = "done"  # SUCCEEDED now, in the handler's transaction
     NOT_A_JOB = "not_a_job"  # no such job here: a message from elsewhere
-    MOVED_ON = "moved_on"  # another version, task, or a final state: a stale or forged copy
+    # another version, task, or a final state, or past its expiry: a stale or
+    # forged copy, or one too late to run
+    MOVED_ON = "moved_on"
     NOT_DUE = "not_due"  # the right message, early
 
 
@@ -117,25 +120,28 @@ class Outcome:
 
 def complete_steps(ref: MessageRef, dialect: str, now: datetime) -> Steps[Outcome]:
     """The job ``ref`` names → SUCCEEDED, fenced: its version and task (a
-    message naming no version or task matches no job), one of
-    :data:`COMPLETABLE_STATES`, due.  Due on the database server's clock,
-    read in the statement as the worker and the relay read it
+    message naming no version or task matches no job), and startable as a
+    worker's start is (:func:`duebox.claims.startable`) from one of
+    :data:`COMPLETABLE_STATES`: due, not expired.  On the database server's
+    clock, read in the statement as the worker and the relay read it
     (core/clock.py): a consumer host whose clock runs fast must not run a
     job early.  ``now``: the time without a server (SQLite).  A miss reads
-    the row once to say why."""
+    the row once to say why: early (``NOT_DUE``), or moved on (another
+    version or task, a final state, past its expiry)."""
     if ref.version is None or ref.task is None:
         exists = yield select(job.c.id).where(job.c.id == ref.job_id)
         return Outcome(Completion.MOVED_ON if exists.first() is not None else Completion.NOT_A_JOB)
     server = server_time_after(dialect, timedelta(0))
     clock, params = server if server is not None else (literal(now, job.c.due_at.type), {})
-    fence = [job.c.id == ref.job_id, job.c.version == ref.version, job.c.task == ref.task,
-             job.c.state.in_(sorted(COMPLETABLE_STATES))]
-    done = yield update(job).where(*fence, job.c.due_at <= clock).values(
+    fence = [job.c.id == ref.job_id, job.c.version == ref.version, job.c.task == ref.task]
+    checks = start_checks(clock, states=COMPLETABLE_STATES)
+    done = yield update(job).where(*fence, and_(*checks)).values(
         state=JobState.SUCCEEDED, finished_at=clock, lease_owner=None, lease_until=None,
         started_at=func.coalesce(job.c.started_at, clock), updated_at=clock), params
     if done.rowcount == 1:
         return Outcome(Completion.DONE)
-    found = yield select(job.c.due_at, clock).where(*fence), params
+    found = yield select(job.c.due_at, clock).where(
+        *fence, checks.in_state, checks.unexpired), params
     row: Any = found.first()
     if row is not None:
         due_at, read_at = row

@@ -78,7 +78,9 @@ class JobRecord:
         )
 
     def expired(self, now: datetime) -> bool:
-        return self.expires_at is not None and self.expires_at <= now
+        """Past ``expires_at`` at the instant the job would start: the later
+        of ``now`` and its due time, as duebox.claims.startable checks it."""
+        return self.expires_at is not None and self.expires_at <= max(now, self.due_at)
 
 
 def records(rows: Sequence[Any]) -> list[JobRecord]:

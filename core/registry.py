@@ -1,38 +1,73 @@
-"""Broker backends by URL scheme, resolved lazily so no driver is imported
-until its backend is used."""
+"""Broker backends by URL scheme: the registry the floor above fills.
+
+core imports no backend (the floors, docs/design.md "Where things live"):
+duebox.brokers.schemes, which the package ``duebox`` imports, registers each
+built-in backend with a function that imports its module when first asked,
+so no driver is imported until its backend is used.  Register your own with
+:func:`register_broker`.
+"""
 
 from __future__ import annotations
 
 import functools
-import importlib
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .credentials import check_userinfo, redacted
 from .errors import ConfigurationError, ValidationError
 
-BROKERS: dict[str, str] = {
-    "sql": "duebox.brokers.sql:SQLBroker",
-    "memory": "duebox.brokers.memory:MemoryBroker",
-    "amqp": "duebox.brokers.amqp:AMQPBroker",
-    "amqps": "duebox.brokers.amqp:AMQPBroker",
-    "redis": "duebox.brokers.redis:RedisBroker",
-    "rediss": "duebox.brokers.redis:RedisBroker",  # Redis over TLS
-    "sqs": "duebox.brokers.sqs:SQSBroker",
-    "kafka": "duebox.brokers.kafka:KafkaBroker",
-}
+# A backend's class, imported when the function is called (each time: an
+# import statement finds a loaded module in sys.modules at once).
+Backend = Callable[[], Any]
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+_SCHEMES: dict[str, Backend] = {}
+_routed: Backend | None = None  # the broker over several routes
 
 
-# The broker that consumes several routes at once (a worker's queues spread
-# over several brokers): resolved like the backends, when first used.
-ROUTED_BROKER = "duebox.brokers.routed:RoutedBroker"
+def register_broker(scheme: str, backend: Backend) -> None:
+    """Serve ``scheme://`` URLs with the class ``backend()`` returns, called
+    when a URL of that scheme is first checked or opened (import your
+    module inside it, so an app that never uses the scheme never imports
+    its driver)::
+
+        def nats() -> type[Broker]:
+            from mypkg.nats import NatsBroker
+            return NatsBroker
+
+        duebox.registry.register_broker("nats", nats)
+    """
+    if not isinstance(scheme, str) or not _SCHEME.fullmatch(scheme):
+        raise ConfigurationError("register_broker: scheme must be a URL scheme: a letter, "
+                                 f"then letters, digits, '+', '-' or '.' (got {scheme!r})")
+    if not callable(backend):
+        raise ConfigurationError(f"register_broker: backend must be a function returning the "
+                                 f"backend's class (got {backend!r})")
+    _SCHEMES[scheme.lower()] = backend
+    _check_for_backend.cache_clear()
 
 
-def load(target: str) -> Any:
-    """The object ``"module:attr"`` names (a backend class), imported now."""
-    module_name, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+def register_routed_broker(backend: Backend) -> None:
+    """The broker that consumes several routes at once (a worker's queues
+    spread over several brokers), resolved like the backends when first
+    used: duebox.brokers.schemes registers brokers/routed.py's."""
+    global _routed
+    _routed = backend
+
+
+def routed_broker_class() -> Any:
+    if _routed is None:
+        raise ConfigurationError("no broker over several routes is registered: "
+                                 "duebox.brokers.schemes registers it, on import duebox")
+    return _routed()
+
+
+def schemes() -> list[str]:
+    """The URL schemes a backend is registered for, sorted."""
+    return sorted(_SCHEMES)
 
 
 def broker_class(url: str) -> Any:
@@ -43,16 +78,16 @@ def broker_class(url: str) -> Any:
             f"broker_url: not a URL ({exc}): {redacted(url)[:200]!r}") from None
     if not scheme:
         raise ConfigurationError(
-            f"broker_url: must start with a scheme, one of {', '.join(sorted(BROKERS))}:// "
+            f"broker_url: must start with a scheme, one of {', '.join(schemes())}:// "
             f"(got {redacted(url) if isinstance(url, str) else url!r})"
         )
-    target = BROKERS.get(scheme)
-    if target is None:
+    backend = _SCHEMES.get(scheme)
+    if backend is None:
         raise ConfigurationError(
             f"broker_url: unknown scheme {scheme!r}; known: "
-            f"{', '.join(s + '://' for s in sorted(BROKERS))}"
+            f"{', '.join(s + '://' for s in schemes())}"
         )
-    return load(target)
+    return backend()
 
 
 def check_broker_url(url: str) -> None:
@@ -111,11 +146,6 @@ def _check_for_backend(url: str, name: str) -> None:
         raise ValidationError("queue", "must be printable text (no control, format or "
                               "surrogate characters)", name)
     broker_class(url).check_queue_name(url, name)
-
-
-def register_broker(scheme: str, target: str) -> None:
-    """Add a backend: ``register_broker("nats", "mypkg.nats:NatsBroker")``."""
-    BROKERS[scheme.lower()] = target
 
 
 # Room left in a broker's message for the envelope around the payload: id,

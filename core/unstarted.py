@@ -46,7 +46,6 @@ from sqlalchemy import (
     case,
     func,
     insert,
-    or_,
     select,
     tuple_,
     update,
@@ -60,23 +59,20 @@ from .ids import uuid7, uuid7_many
 from .message import JobMessage
 from .records import ROW_COLUMNS, JobRecord, by_primary_key, open_attempts
 from .records import records as read_records
-from .states import STARTABLE_STATES, JobState
+from .states import JobState
 from .tables import UTCDateTime, attempt, job
 
 _NOW = bindparam("u_now", type_=job.c.updated_at.type)
-# The instant a lock is for (lock_startable's ``due_by``): due by then, not
-# expired by then.
+# The latest due time a lock is for (lock_startable's ``due_by``).
 _DUE_BY = bindparam("u_due", type_=job.c.due_at.type)
-# Spelled out, not ``IN (...)``: an expanding list cannot go with executemany.
-_STARTABLE = or_(*(job.c.state == state for state in sorted(STARTABLE_STATES)))
-# Startable rows of these (id, version) pairs, due, not expired: locked in
+# Rows the lane locked are still in a startable state at completion.
+_STARTABLE = claims.in_states()
+# Startable rows of these (id, version) pairs (claims.startable): locked in
 # id order (one order for every transaction), skipping rows another holds.
 _LOCK = (
     select(*ROW_COLUMNS, job.c.state)
     .where(tuple_(job.c.id, job.c.version).in_(bindparam("u_pairs", expanding=True)),
-           job.c.state.in_(list(STARTABLE_STATES)),
-           job.c.due_at <= _DUE_BY,
-           or_(job.c.expires_at.is_(None), job.c.expires_at > _DUE_BY))
+           claims.startable(_NOW, _DUE_BY))
     .order_by(job.c.id)
     .with_for_update(skip_locked=True)
 )
@@ -91,9 +87,7 @@ _PG_LOCK = (
     select(*ROW_COLUMNS, job.c.state)
     .select_from(job.join(_PG_PAIRS, and_(job.c.id == _PG_PAIRS.c.id,
                                           job.c.version == _PG_PAIRS.c.version)))
-    .where(job.c.state.in_(sorted(STARTABLE_STATES)),
-           job.c.due_at <= _DUE_BY,
-           or_(job.c.expires_at.is_(None), job.c.expires_at > _DUE_BY))
+    .where(claims.startable(_NOW, _DUE_BY))
     .order_by(job.c.id)
     .with_for_update(of=job, skip_locked=True)
 )
@@ -121,7 +115,7 @@ _PG_DONE = func.unnest(
 ).table_valued("id", "started", "attempt_id", "outcome").render_derived(name="done_jobs")
 _PG_FINISHED = (
     update(job)
-    .where(job.c.id == _PG_DONE.c.id, job.c.state.in_(sorted(STARTABLE_STATES)))
+    .where(job.c.id == _PG_DONE.c.id, _STARTABLE)
     .values(state=JobState.SUCCEEDED, attempt=job.c.attempt + 1,
             lease_generation=job.c.lease_generation + 1, started_at=_PG_DONE.c.started,
             finished_at=_NOW, updated_at=_NOW, lease_owner=None, lease_until=None,
@@ -156,8 +150,8 @@ _START_ONE = by_primary_key(
 def lock_startable(conn: Connection, messages: Sequence[JobMessage], now: datetime,
                    owner: str, due_by: datetime | None = None) -> dict[uuid.UUID, JobRecord]:
     """Lock the rows of the messages' jobs that may start by ``due_by``
-    (default ``now``; this version, a startable state, due by then, not
-    expired by then, not locked by anyone else) and return each as the
+    (default ``now``; this version, :func:`duebox.claims.startable` at
+    ``now`` and due by then, not locked by anyone else) and return each as the
     start would have: attempt and lease generation one up, leased to
     ``owner``.  The caller holds each handler to its job's due time.  A
     message absent from the result takes the usual path, which says why (or
@@ -166,10 +160,10 @@ def lock_startable(conn: Connection, messages: Sequence[JobMessage], now: dateti
     if conn.dialect.name == "postgresql":
         rows = conn.execute(_PG_LOCK, {"u_ids": [m.job_id for m in messages],
                                        "u_versions": [m.version for m in messages],
-                                       "u_due": by}).all()
+                                       "u_now": now, "u_due": by}).all()
     else:
         rows = conn.execute(_LOCK, {"u_pairs": [(m.job_id, m.version) for m in messages],
-                                    "u_due": by}).all()
+                                    "u_now": now, "u_due": by}).all()
     return {rec.id: rec for rec in _as_started(read_records([row[:-1] for row in rows]), owner)}
 
 

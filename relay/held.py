@@ -14,7 +14,7 @@ them, is the broker's ``Capabilities.publish_lead`` (Kafka has no delay,
 RabbitMQ's TTL tiers are coarse).  Redis's own timer (the consumer's mover,
 woken at the earliest score) is as precise and keeps the relay off the
 critical path; memory:// is exact; sqs:// delays are whole seconds
-(core/timing.py ``NEAR_WINDOW``: how near).
+(core/timing.py ``NEAR_WINDOW_SECONDS``: how near).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class HeldJobs:
         self.lead = lead
         # A release also takes what is due just after it (core/timing.py);
         # only where jobs are handed over ahead at all.
-        self.gather = timedelta(seconds=HANDOVER_GATHER if lead > 0 else 0.0)
+        self.gather = HANDOVER_GATHER if lead > 0 else timedelta(0)
         self.max_delay = max_delay
         self.precision = precision
         self._heap: Hold[_Held] = Hold()

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from duebox import dispatched, jobstore, reroute, routes, tracing
 from duebox.brokers.base import Outgoing, PublishingBroker, open_broker
-from duebox.db import PgWaker, db_errors
+from duebox.db import PgWaker, bound_idle_transaction, db_errors
 from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
 from duebox.logs import CollapsedLog, kind_of
@@ -370,6 +370,10 @@ class Pipeline:
         engine = self.app.engine
         if fair or engine.dialect.name != "postgresql":
             with engine.begin() as conn:
+                # A relay paused inside it (SIGSTOP, a GC pause) would hold the
+                # rows it locked, for everyone, as long as it is paused: the
+                # server ends such a transaction after a lease.
+                bound_idle_transaction(conn, self.app.settings.lease_seconds)
                 yield conn
             return
         with engine.connect() as conn:

@@ -46,7 +46,7 @@ from duebox.logs import CollapsedLog
 from duebox.metrics import DBCollector, Metrics, process_metrics
 from duebox.planner_stats import PlannerStats
 from duebox.routes import Route, describe
-from duebox.timing import NEAR_WINDOW
+from duebox.timing import NEAR_WINDOW_SECONDS
 
 from .catchup import expire_too_late
 from .pipeline import DispatchOptions, Pipeline, keep_passing
@@ -83,7 +83,7 @@ class Relay:
         metrics: Metrics | None = None,
         heartbeat_interval: float = 5.0,
         collect_interval: float = 5.0,
-        near_window: float = NEAR_WINDOW,
+        near_window: float = NEAR_WINDOW_SECONDS,
         lead: float | None = None,
         policy: DispatchPolicy | None = None,
         shards: ShardConfig | None = None,

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 from duebox.records import JobRecord
 from duebox.relay.held import HeldJobs
-from duebox.timing import HANDOVER_GATHER, HANDOVER_LEAD
+from duebox.timing import HANDOVER_GATHER, HANDOVER_LEAD_SECONDS
 
 T = datetime(2026, 12, 4, 9, 0, tzinfo=UTC)
 
@@ -30,18 +30,18 @@ def held_at(held: HeldJobs, dues: list[datetime]) -> list[JobRecord]:
 
 
 def test_a_release_gathers_what_is_due_within_the_gather_after_it() -> None:
-    held = HeldJobs(lead=HANDOVER_LEAD, max_delay=None, precision=0.001)
-    gather = timedelta(seconds=HANDOVER_GATHER)
+    held = HeldJobs(lead=HANDOVER_LEAD_SECONDS, max_delay=None, precision=0.001)
+    gather = HANDOVER_GATHER
     first, inside, edge, outside = held_at(held, [
         T, T + gather / 2, T + gather, T + gather + timedelta(milliseconds=1)])
     release = held.next_release()
-    assert release == T - timedelta(seconds=HANDOVER_LEAD)
+    assert release == T - timedelta(seconds=HANDOVER_LEAD_SECONDS)
     ((owner, taken),) = held.take_due(release)
     assert owner == "o"
     assert [r.id for r in taken] == [first.id, inside.id, edge.id]
     # Published now, each with no delay of the broker's: the worker holds it.
     assert [held.delay(r, release) for r in taken] == [0.0, 0.0, 0.0]
-    assert held.next_release() == outside.due_at - timedelta(seconds=HANDOVER_LEAD)
+    assert held.next_release() == outside.due_at - timedelta(seconds=HANDOVER_LEAD_SECONDS)
     assert held.take_due(release) == []
 
 

@@ -62,7 +62,7 @@ async def test_a_trickle_coming_within_reach_is_claimed_together_and_in_time(
     span = (JOBS * EVERY).total_seconds()
     assert len(claims) <= span / app.settings.poll_interval + 2, sorted(claims)
     # ... and each still claimed at least half the reach before its due time
-    # (the held job's timer publishes it HANDOVER_LEAD before it).
+    # (the held job's timer publishes it HANDOVER_LEAD_SECONDS before it).
     ahead = min((r.due_at - r.claimed_at).total_seconds() for r in rows)
     assert ahead >= reach / 2 - 1e-6, ahead
 

@@ -17,7 +17,7 @@ def seconds(value: float | timedelta) -> float:
 
 def test_the_leads_shrink_from_the_relays_window_to_the_reread() -> None:
     leads = [seconds(getattr(timing, name)) for name in (
-        "NEAR_WINDOW", "EARLY_HOLD", "HANDOVER_LEAD", "EXECUTOR_HOLD_MOST",
+        "NEAR_WINDOW_SECONDS", "EARLY_HOLD_SECONDS", "HANDOVER_LEAD_SECONDS", "EXECUTOR_HOLD_MOST",
         "SQL_HANDOVER_LEAD", "REREAD_LEAD")]
     assert leads == sorted(leads, reverse=True)
     assert len(set(leads)) == len(leads)
@@ -25,8 +25,8 @@ def test_the_leads_shrink_from_the_relays_window_to_the_reread() -> None:
 
 
 def test_a_job_handed_over_with_its_gathered_neighbours_is_still_held_not_sent_back() -> None:
-    earliest = seconds(timing.HANDOVER_LEAD) + seconds(timing.HANDOVER_GATHER)
-    assert earliest <= seconds(timing.EARLY_HOLD)  # the worker holds it
+    earliest = seconds(timing.HANDOVER_LEAD_SECONDS) + seconds(timing.HANDOVER_GATHER)
+    assert earliest <= seconds(timing.EARLY_HOLD_SECONDS)  # the worker holds it
     assert earliest <= seconds(timing.LANE_HOLD_MOST)  # the batch lane takes it
 
 
