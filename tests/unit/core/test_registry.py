@@ -93,11 +93,25 @@ def test_a_queue_name_every_backend_takes() -> None:
 @pytest.fixture
 def nats() -> Iterator[None]:
     yield
-    registry.BROKERS.pop("nats", None)
+    registry._SCHEMES.pop("nats", None)  # the test's own scheme, forgotten
+    registry._check_for_backend.cache_clear()
 
 
 @pytest.mark.usefixtures("nats")
 def test_a_backend_can_be_added_by_scheme() -> None:
-    register_broker("NATS", "duebox.brokers.memory:MemoryBroker")
+    imported: list[str] = []
+
+    def nats_backend() -> type[MemoryBroker]:
+        imported.append("nats")  # imported when first used, not when registered
+        return MemoryBroker
+
+    register_broker("NATS", nats_backend)
+    assert imported == []
     assert broker_class("nats://h") is MemoryBroker
+    assert imported
     check_broker_url("nats://h?max_delay=5")
+
+
+def test_a_backend_that_is_not_a_function_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="backend must be a function"):
+        register_broker("nats", "duebox.brokers.memory:MemoryBroker")  # type: ignore[arg-type]
