@@ -56,7 +56,7 @@ class Gate:
         self.engine = engine
         self.state = Attachment.PENDING
         self._lock = threading.Lock()
-        self._settled = threading.Event()
+        self._detach_over = threading.Event()
 
     def bind(self) -> Connection | Engine:
         """Where the handler's next statement goes (called through
@@ -83,12 +83,12 @@ class Gate:
         to it now, or lost with the batch — its own completion finds out."""
         with self._lock:
             self.state = Attachment.DETACHED
-        self._settled.set()
+        self._detach_over.set()
 
     def wait_detached(self) -> None:
         """Until a detach under way is over (the batch's commit without
         this handler)."""
-        self._settled.wait()
+        self._detach_over.wait()
 
     def finish(self) -> Attachment:
         """The handler returned: the batch's (``ATTACHED``/``FINISHED``), or
@@ -98,7 +98,7 @@ class Gate:
                 attached = self.state is Attachment.ATTACHED
                 self.state = Attachment.FINISHED
                 return Attachment.ATTACHED if attached else Attachment.FINISHED
-        self._settled.wait()
+        self._detach_over.wait()
         return Attachment.DETACHED
 
 

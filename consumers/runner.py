@@ -82,28 +82,28 @@ _WATCH_EVERY = 0.005
 class Outcomes(Protocol):
     """The worker's side of the runner."""
 
-    def settled(self, batch: Sequence[Settled]) -> None:
+    def account(self, batch: Sequence[Settled]) -> None:
         """Lane jobs the runner ran (one batch's, or the part of it a
         detach committed)."""
 
-    def usual(self, delivery: Delivery) -> None:
+    def run_usual(self, delivery: Delivery) -> None:
         """A delivery the runner will not run: the worker's usual path
         (which then accounts for it)."""
 
-    def left(self, deliveries: int) -> None:
+    def let_go(self, deliveries: int) -> None:
         """That many lane deliveries were acknowledged: room for more."""
 
-    def room(self) -> None:
+    def wake_intake(self) -> None:
         """A thread was freed, or stopped running a straggler: the worker
         may take more in (:meth:`Runner.wanted`)."""
 
-    def grouped(self, size: int) -> None:
+    def count_group(self, size: int) -> None:
         """That many jobs ran in one transaction together."""
 
-    def reran(self, handlers: int) -> None:
+    def count_reruns(self, handlers: int) -> None:
         """That many handlers will run a second time: their batch was lost."""
 
-    def handed_back(self, jobs: int) -> None:
+    def count_handed_back(self, jobs: int) -> None:
         """That many jobs went back for other workers (every thread here ran
         a long handler)."""
 
@@ -337,7 +337,7 @@ class Runner:
         self._units.discard(unit)
         self._freed.set()
         self._dispatch()
-        self.outcomes.room()
+        self.outcomes.wake_intake()
 
     def _start_leased(self) -> None:
         head = self._leased.popleft()
@@ -410,7 +410,7 @@ class Runner:
             if item.future is not None and not item.future.done():
                 item.future.set_exception(exc)
             elif item.delivery is not None:  # the usual path meets it and says what
-                self.outcomes.usual(item.delivery)
+                self.outcomes.run_usual(item.delivery)
             return
         if item.delivery is not None:  # a lane item run alone (a lost batch's)
             await self._settle_lane([(item, outcome)])
@@ -433,11 +433,11 @@ class Runner:
             if result is None:
                 await self._batch_lost(batch, lost or RuntimeError("lost"))
             else:
-                await self._settled(batch, result)
+                await self._after_batch(batch, result)
         finally:
             self._ended(unit)
 
-    async def _settled(self, batch: Batch, result: BatchOutcome) -> None:
+    async def _after_batch(self, batch: Batch, result: BatchOutcome) -> None:
         """What a batch (or its detach) settled goes out; what it did not run
         goes back in line, or the usual way."""
         for item in reversed(result.unrun):  # still due: first in line again
@@ -449,11 +449,11 @@ class Runner:
                 self._leased.appendleft(item)
         for item in result.skipped:
             if item.delivery is not None:
-                self.outcomes.usual(item.delivery)
+                self.outcomes.run_usual(item.delivery)
         if batch.kind is Kind.DUE:
             self._pulled(batch, result)
         if len(result.done) > 1:
-            self.outcomes.grouped(len(result.done))
+            self.outcomes.count_group(len(result.done))
         done = result.done
         if batch.detach_failed:  # its start was rolled back: it runs again
             done = [(i, o) for i, o in done if not self._again(batch, i, o)]
@@ -475,17 +475,17 @@ class Runner:
         if item.kind is Kind.DUE:
             self._more_due = True
         elif item.delivery is not None:
-            self.outcomes.usual(item.delivery)
+            self.outcomes.run_usual(item.delivery)
         return True
 
     async def _settle_lane(self, done: Sequence[tuple[Item, Outcome]]) -> None:
-        self.outcomes.settled([(i.delivery, i.rec, o, i.started or self.app.clock.now())
+        self.outcomes.account([(i.delivery, i.rec, o, i.started or self.app.clock.now())
                                for i, o in done if i.rec is not None])
         deliveries = [i.delivery for i, _ in done if i.delivery is not None]
         try:
             await self.broker.ack_many(deliveries)
         finally:
-            self.outcomes.left(len(deliveries))
+            self.outcomes.let_go(len(deliveries))
 
     async def _batch_lost(self, batch: Batch, exc: BaseException,
                           items: Sequence[Item] | None = None) -> None:
@@ -495,7 +495,7 @@ class Runner:
         items = batch.items if items is None else items
         ran = sum(item.ran for item in items if item is not batch.detached)
         if ran:
-            self.outcomes.reran(ran)
+            self.outcomes.count_reruns(ran)
         else:
             self._log.warning(f"batch:{kind_of(exc)}", "a batch of %d jobs failed (%s: %s); "
                               "each goes again", len(items), type(exc).__name__, exc)
@@ -506,14 +506,14 @@ class Runner:
                 if item.future is not None and not item.future.done():
                     item.future.set_exception(exc)
                 elif item.delivery is not None:
-                    self.outcomes.usual(item.delivery)  # which finds it running, and drops it
+                    self.outcomes.run_usual(item.delivery)  # which finds it running, and drops it
                 continue
             item.ran = False
             if item.kind is Kind.DUE:
                 self._more_due = True
             elif item.kind is Kind.UNSTARTED:
                 if item.delivery is not None:
-                    self.outcomes.usual(item.delivery)
+                    self.outcomes.run_usual(item.delivery)
             else:  # started or claimed: leased, run alone
                 item.alone = True
                 self._leased.appendleft(item)
@@ -565,7 +565,7 @@ class Runner:
         if not taken:
             self._hands_back = False
             return False
-        self.outcomes.handed_back(1)
+        self.outcomes.count_handed_back(1)
         return True
 
     async def _hand_back(self, item: Item) -> None:
@@ -574,7 +574,7 @@ class Runner:
             self._lane.appendleft(item)
             self._dispatch()
             return
-        self.outcomes.left(1)
+        self.outcomes.let_go(1)
 
     async def _give_back(self, items: list[Item]) -> None:
         records = [i.rec for i in items if i.rec is not None]
@@ -588,7 +588,7 @@ class Runner:
             return
         for item in items:  # their messages: handed back too (Worker.handle)
             _settle(item, Outcome(RunStatus.HANDED_BACK))
-        self.outcomes.handed_back(len(items))
+        self.outcomes.count_handed_back(len(items))
 
     def _unclaim(self, records: list[jobstore.JobRecord]) -> None:
         with db_errors("give back"), self.app.engine.begin() as conn:
@@ -637,7 +637,7 @@ class Runner:
         if changed:  # threads held by stragglers: as good as freed for the rest
             self._freed.set()
             self._dispatch()
-            self.outcomes.room()
+            self.outcomes.wake_intake()
         if self._units:
             self._watch = asyncio.get_running_loop().call_later(_WATCH_EVERY, self._look)
 
@@ -654,7 +654,7 @@ class Runner:
                               "without it failed (%s: %s)", type(exc).__name__, exc)
             await self._batch_lost(batch, exc, batch.lost_with_detach)
             return None
-        await self._settled(batch, result)
+        await self._after_batch(batch, result)
         execution = running.control.execution
         return execution.keep_leased() if execution is not None else None
 

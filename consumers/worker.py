@@ -287,27 +287,27 @@ class Worker:
 
     # --- the runner's outcomes (consumers/runner.py, Outcomes) ---------------------------
 
-    def usual(self, delivery: Delivery) -> None:
+    def run_usual(self, delivery: Delivery) -> None:
         """A delivery the runner will not run: the usual way."""
         self._spawn(delivery, None)
 
-    def left(self, deliveries: int) -> None:
+    def let_go(self, deliveries: int) -> None:
         """That many deliveries left the worker's hands: room for more."""
         self._in_hand -= deliveries
         self._room.set()
 
-    def room(self) -> None:
+    def wake_intake(self) -> None:
         self._room.set()
         self.broker.wanted_changed()
 
-    def grouped(self, size: int) -> None:
+    def count_group(self, size: int) -> None:
         self.stats.grouped += size
         self.metrics.group_size.labels(self.backend).observe(size)
 
-    def reran(self, handlers: int) -> None:
+    def count_reruns(self, handlers: int) -> None:
         self.stats.reran += handlers
 
-    def handed_back(self, jobs: int) -> None:
+    def count_handed_back(self, jobs: int) -> None:
         self.stats.handed_back += jobs
 
     async def _guarded(self, delivery: Delivery, turn: Turn | None = None) -> None:
@@ -328,7 +328,7 @@ class Worker:
         finally:
             if turn is not None:
                 turn.pass_on()
-            self.left(1)
+            self.let_go(1)
 
     # --- one delivery ----------------------------------------------------------
 
@@ -346,13 +346,13 @@ class Worker:
             await self.broker.reject(delivery, delivery.decode_error or undecoded)
             return
         clock = self.app.clock
-        early = (msg.due_at - clock.now()).total_seconds()
-        if early > EARLY_HOLD_SECONDS and delivery.claimed is None:
+        ahead = (msg.due_at - clock.now()).total_seconds()  # seconds before its due time
+        if ahead > EARLY_HOLD_SECONDS and delivery.claimed is None:
             # Held or deferred only if the job table says it may wait.
             checked = await self._early(delivery, msg)
             if checked is None:
                 return
-            early = checked
+            ahead = checked
         rec = delivery.claimed
         obtained = delivery.claimed_at
         if rec is None:
@@ -361,7 +361,7 @@ class Worker:
             # ahead, to cover the hand-over) is started now, version-checked
             # and leased, and its handler held below: the round trip is done
             # by the due time instead of after it.
-            rec, reason = await self.starts.start(msg, max(0.0, early))
+            rec, reason = await self.starts.start(msg, max(0.0, ahead))
             if rec is None:
                 if reason is Discard.NOT_DUE:
                     checked = await self._early(delivery, msg)
@@ -371,7 +371,9 @@ class Worker:
                     self._discard(reason)
                     await self.broker.reject(delivery, reason)
                 return
-        early = False
+        # Whether the executor thread reads the job again and holds it to its
+        # due time (see _checks_in_thread), rather than this task.
+        in_thread = False
         if obtained is not None and obtained < rec.due_at - REREAD_LEAD:
             # Leased well before its due time: a cancel or a takeover since
             # then must still win, so the job is read again — a round trip
@@ -379,16 +381,16 @@ class Worker:
             # every start has between its check and the handler; a cancel
             # landing there finds the completion fenced and rolls the
             # writes back).
-            early = self._checks_in_thread(rec)
-            if not early or rec.due_at - clock.now() > EXECUTOR_HOLD_MOST:
+            in_thread = self._checks_in_thread(rec)
+            if not in_thread or rec.due_at - clock.now() > EXECUTOR_HOLD_MOST:
                 await _hold_until(clock, rec.due_at - REREAD_LEAD)
-            if not early:
+            if not in_thread:
                 if not await self.rereads.call(rec):
                     self._discard(Discard.CANCELLED)
                     await self.broker.ack(delivery)
                     return
                 obtained = clock.now()
-        if not early:
+        if not in_thread:
             await _hold_until(clock, rec.due_at)
         started = clock.now()
         try:
@@ -414,10 +416,10 @@ class Worker:
             return
         if turn is not None:
             await turn.wait()
-            # Handed over before this task next yields (Executors.run queues
-            # it at once): the next of its key cannot overtake it.
+            # Handed over before this task next yields (Runner.run_leased
+            # queues it at once): the next of its key cannot overtake it.
             turn.pass_on()
-        status = await self._execute(task, rec, obtained, early)
+        status = await self._execute(task, rec, obtained, in_thread)
         if status is RunStatus.HANDED_BACK and await self.runner.hand_back(delivery):
             return  # its job given back too: another worker starts it
         await self.broker.ack(delivery)
@@ -435,11 +437,11 @@ class Worker:
             self._discard(reason)
             await self.broker.reject(delivery, reason)
             return None
-        early = (due_at - self.app.clock.now()).total_seconds()
-        if early > EARLY_HOLD_SECONDS:
-            await self._defer(delivery, msg, early)
+        ahead = (due_at - self.app.clock.now()).total_seconds()
+        if ahead > EARLY_HOLD_SECONDS:
+            await self._defer(delivery, msg, ahead)
             return None
-        return early
+        return ahead
 
     async def _defer(self, delivery: Delivery, msg: JobMessage, seconds: float) -> None:
         """Hand the message back to the broker for ``seconds``; if the broker
@@ -485,15 +487,15 @@ class Worker:
                             now=self.app.clock.now())
 
     async def _execute(self, task: Task, rec: jobstore.JobRecord,
-                       leased: datetime | None, early: bool = False) -> RunStatus:
+                       leased: datetime | None, in_thread: bool = False) -> RunStatus:
         with tracing.attempt_span(rec.task, rec.queue, rec.id, rec.attempt, rec.headers) as span:
-            outcome, started = await self.runner.run_leased(task, rec, leased, early=early)
+            outcome, started = await self.runner.run_leased(task, rec, leased, early=in_thread)
             tracing.outcome(span, outcome.status, None if outcome.failure_class is None
                             else str(outcome.failure_class))
         self._account(rec, outcome, started)
         return outcome.status
 
-    def settled(self, batch: Sequence[Settled]) -> None:
+    def account(self, batch: Sequence[Settled]) -> None:
         """Jobs one batch of the lane ran (deliveries', or due rows it
         locked): succeeded ones are observed together, per queue (two
         histograms and a counter per job, one at a time, were a tenth of
