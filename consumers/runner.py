@@ -738,6 +738,8 @@ class Runner:
             elif self._lane or self._leased:  # threads busy with the usual path's jobs
                 self._freed.clear()
                 await self._freed.wait()
+            elif self._handing_back:  # before the broker closes under them
+                await asyncio.wait(set(self._handing_back))
             else:
                 return
 
