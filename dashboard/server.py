@@ -52,7 +52,7 @@ from .http11 import (
     read_head,
 )
 from .inputs import decode_form, decode_target
-from .routes import error_page, respond, secured, wants_body
+from .routes import bad_request, refusal, respond, secured, wants_body
 from .security import Guard
 from .web import HTTPError, Request, Response
 
@@ -236,6 +236,8 @@ class DashboardServer:
                         head: Head, client: str) -> tuple[Response, bool]:
         """The response to one request head, and whether its body is left unread."""
         unread = head.length > 0
+        # Until the path is decoded its refusals are judged by the raw one.
+        path = head.target.partition("?")[0]
         try:
             path, query = decode_target(head.target)
             if not self.hosts.allows(head.headers.get("host", "")):
@@ -255,9 +257,9 @@ class DashboardServer:
                     await read_body(reader, head.length, self.limits.body_timeout))
                 unread = False
         except HTTPError as exc:
-            return secured(error_page(exc.status, exc.message, exc.headers)), unread
+            return secured(refusal(path, exc.status, exc.message, exc.headers)), unread
         except ValidationError as exc:
-            return secured(error_page(400, f"{type(exc).__name__}: {exc}")), unread
+            return secured(bad_request(path, exc)), unread
         return await self._run(request), unread
 
     async def _run(self, request: Request) -> Response:
