@@ -1,5 +1,5 @@
 """The JSON API: the read side of every page as JSON (docs/dashboard.md,
-"JSON API").
+"JSON API"), and ``/healthz``.
 
 Each view reads through the same function as its page (:mod:`.reads`), so
 the numbers, the masking of payloads and error text, and the checks of the
@@ -24,6 +24,7 @@ from duebox.schedules import ScheduleInfo
 from .context import Dashboard
 from .reads import (
     WINDOW,
+    database_trouble,
     next_fire,
     next_transition,
     page_limit,
@@ -156,3 +157,15 @@ def processes(d: Dashboard, request: Request) -> Response:
         "leases": [{**_row(r), "expires_in_s": (r.expires_at - now).total_seconds()
                     if r.expires_at else None} for r in seen.leases],
     })
+
+
+@route("GET", r"/healthz", params=())
+def healthz(d: Dashboard, request: Request) -> Response:
+    """200 while the database answers a read of duebox's job table, 503 with
+    the reason otherwise (unreachable, no tables, no privilege): what a
+    container's health check or a load balancer asks."""
+    trouble = database_trouble(d)
+    if trouble is not None:
+        return json_response({"status": "unavailable", "database": trouble}, 503,
+                             [("Retry-After", "5")])
+    return json_response({"status": "ok", "database": "ok"})

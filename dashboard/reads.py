@@ -12,15 +12,18 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
+from sqlalchemy import select
+
 from duebox import dlq
 from duebox.cron import Fire
-from duebox.errors import ValidationError
+from duebox.errors import DatabaseError, ValidationError
 from duebox.heartbeat import alive
 from duebox.ids import parse_job_id
 from duebox.inspect import JobDetail, load_job, locator, payloads, where_now
 from duebox.inspect_status import StatusReport, build_report
 from duebox.masking import Masked
 from duebox.schedules import ScheduleInfo
+from duebox.tables import job
 
 from .context import Dashboard
 from .queries import (
@@ -54,6 +57,17 @@ def page_limit(query: Mapping[str, str], default: int) -> int:
     if not re.fullmatch(r"[0-9]{1,3}", raw) or not 1 <= int(raw) <= PAGE_MAX:
         raise ValidationError("limit", f"must be a whole number from 1 to {PAGE_MAX}", raw)
     return int(raw)
+
+
+def database_trouble(d: Dashboard) -> str | None:
+    """Why the database does not answer a read of duebox's job table
+    (unreachable, no tables, no privilege); None when it does."""
+    try:
+        with d.read("dashboard health") as conn:
+            conn.execute(select(job.c.id).limit(1)).all()
+    except DatabaseError as exc:
+        return str(exc)
+    return None
 
 
 # --- the overview ------------------------------------------------------------------------
