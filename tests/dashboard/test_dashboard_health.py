@@ -8,7 +8,8 @@ import json
 import sqlite3
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -45,26 +46,27 @@ def _unhealthy(c: Client) -> str:
     return str(body["database"])
 
 
+@contextmanager
+def _served(serve: Serve, database_url: str) -> Iterator[Client]:
+    app = duebox.Duebox(database_url)
+    c = serve(app)
+    try:
+        yield c
+    finally:
+        c.server.stop()  # type: ignore[union-attr]  # before the app's engine goes
+        app.dispose()
+
+
 def test_unhealthy_when_the_database_is_unreachable(serve: Serve) -> None:
     # Nothing listens on port 1: the connection is refused at once.
-    app = duebox.Duebox("postgresql+psycopg://duebox@127.0.0.1:1/nowhere")
-    try:
-        c = serve(app)
+    with _served(serve, "postgresql+psycopg://duebox@127.0.0.1:1/nowhere") as c:
         assert "database unavailable" in _unhealthy(c)
-    finally:
-        c.server.stop()  # type: ignore[union-attr]
-        app.dispose()
 
 
 def test_unhealthy_without_duebox_tables(tmp_path: Path, serve: Serve) -> None:
     sqlite3.connect(tmp_path / "empty.db").close()
-    app = duebox.Duebox(f"sqlite:///{tmp_path}/empty.db")
-    try:
-        c = serve(app)
+    with _served(serve, f"sqlite:///{tmp_path}/empty.db") as c:
         assert "duebox db upgrade" in _unhealthy(c)
-    finally:
-        c.server.stop()  # type: ignore[union-attr]
-        app.dispose()
 
 
 def test_the_command_answers_healthz(seeded: Seeded, tmp_path: Path) -> None:
