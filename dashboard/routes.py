@@ -21,7 +21,16 @@ from duebox.errors import DatabaseError, JobNotFoundError, ValidationError
 from . import actions, api, views_jobs, views_ops, views_overview  # noqa: F401
 from .context import Dashboard
 from .render import esc, page
-from .web import HTTPError, Request, Response, find_route, json_response, methods_at
+from .web import (
+    HTTPError,
+    Request,
+    Response,
+    find_route,
+    json_response,
+    methods_at,
+    mounted_at,
+    url,
+)
 
 log = logging.getLogger("duebox.dashboard")
 
@@ -47,7 +56,7 @@ def _static(name: str) -> Response:
 def error_page(status: int, message: str, headers: list[tuple[str, str]] | None = None
                ) -> Response:
     body = (f'<p class="notice bad">{esc(message)}</p>'
-            '<p><a href="/">overview</a></p>')
+            f'<p><a href="{esc(url("/"))}">overview</a></p>')
     return Response(status, page("Refused" if status in (403, 429) else "Error", body),
                     headers=list(headers or []))
 
@@ -138,7 +147,8 @@ def respond(d: Dashboard, request: Request) -> Response:
     """The response to a checked request, as it goes on the wire."""
     request.csrf_cookie, set_cookie = d.guard.cookie(request)
     try:
-        response = handle(d, request)
+        with mounted_at(request.root):
+            response = handle(d, request)
     except Exception:
         log.exception("dashboard: %s %s failed", request.method, request.path)
         response = refusal(request.path, 500, "internal error (see the dashboard's log)")

@@ -9,7 +9,7 @@ from duebox.states import FINAL_STATES, JobState
 from .context import Dashboard
 from .reads import read_job, read_jobs, versions
 from .render import badge, compact_json, esc, link, page, payload_section, seconds, table, ts
-from .web import REF, Request, Response, redirect, route
+from .web import REF, Request, Response, redirect, route, url
 
 
 def _search_form(request: Request) -> str:
@@ -20,7 +20,7 @@ def _search_form(request: Request) -> str:
     chosen = request.query.get("state", "").upper()
     options = '<option value="">any</option>' + "".join(
         f'<option{" selected" if s == chosen else ""}>{esc(s)}</option>' for s in JobState)
-    return ('<form method=get action="/jobs" class=search>'
+    return (f'<form method=get action="{esc(url("/jobs"))}" class=search>'
             + field("q", "Id or key", "job id or business key") + field("queue", "Queue")
             + f"<label>State <select name=state>{options}</select></label>"
             + field("from", "Due from (UTC)", "2026-01-31T09:00")

@@ -8,7 +8,9 @@ import enum
 import json
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -25,6 +27,10 @@ class Request:
     # This browser's CSRF cookie (set by the router before a view runs).
     csrf_cookie: str = ""
     client: str = ""  # the peer's address (throttling counts by it)
+    # The prefix the dashboard is mounted under in another app ("/duebox";
+    # "" on its own server), checked (duebox.dashboard.inputs.checked_root):
+    # ``path`` is what follows it, and every link leads back under it.
+    root: str = ""
 
     def arg(self, name: str) -> str:
         """A query or form field, stripped ('' when absent)."""
@@ -55,8 +61,30 @@ class HTTPError(Exception):
         self.headers = headers or []
 
 
+# The mount prefix of the request being answered, for the links a page
+# holds: views and render helpers name dashboard paths ("/jobs/ID") and
+# url() puts them under the prefix.  Set around each response by
+# mounted_at (duebox.dashboard.routes), on the thread that builds it.
+_ROOT: ContextVar[str] = ContextVar("duebox_dashboard_root", default="")
+
+
+@contextmanager
+def mounted_at(root: str) -> Iterator[None]:
+    token = _ROOT.set(root)
+    try:
+        yield
+    finally:
+        _ROOT.reset(token)
+
+
+def url(path: str) -> str:
+    """A dashboard path ("/jobs") as a link: under the mount prefix."""
+    return _ROOT.get() + path
+
+
 def redirect(location: str) -> Response:
-    return Response(303, b"", headers=[("Location", location)])
+    """303 to a dashboard path (under the mount prefix)."""
+    return Response(303, b"", headers=[("Location", url(location))])
 
 
 def _json_value(value: Any) -> Any:
@@ -124,4 +152,4 @@ def route(method: str, path: str, *, params: tuple[str, ...] | None = None
 
 
 __all__ = ["ID", "REF", "ROUTES", "HTTPError", "Request", "Response", "Route", "find_route",
-           "json_response", "methods_at", "redirect", "route"]
+           "json_response", "methods_at", "mounted_at", "redirect", "route", "url"]
