@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from backends import Keys, free_port
-from conftest import PG_ADMIN_URL, service_missing
+from conftest import pg_database
 from test_compose import ROOT, command_of, services, with_defaults
 
 import duebox
@@ -36,20 +36,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 def empty_pg() -> Iterator[str]:
     """A PostgreSQL database of this test's own, without duebox's tables
     (the migrate service creates them)."""
-    name = f"duebox_compose_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:
-        admin.dispose()
-        service_missing("PostgreSQL", exc)
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with pg_database("duebox_compose") as url:
+        yield url
 
 
 def _on_free_ports(args: list[str], check: list[str]) -> tuple[list[str], list[str]]:
