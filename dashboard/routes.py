@@ -146,12 +146,12 @@ def handle(d: Dashboard, request: Request) -> Response:
 def respond(d: Dashboard, request: Request) -> Response:
     """The response to a checked request, as it goes on the wire."""
     request.csrf_cookie, set_cookie = d.guard.cookie(request)
-    try:
-        with mounted_at(request.root):
+    with mounted_at(request.root):
+        try:
             response = handle(d, request)
-    except Exception:
-        log.exception("dashboard: %s %s failed", request.method, request.path)
-        response = refusal(request.path, 500, "internal error (see the dashboard's log)")
+        except Exception:
+            log.exception("dashboard: %s %s failed", request.method, request.path)
+            response = refusal(request.path, 500, "internal error (see the dashboard's log)")
     if set_cookie:
         response.headers.append(("Set-Cookie", set_cookie))
     return secured(response)
