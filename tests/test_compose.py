@@ -102,6 +102,7 @@ def test_the_deployment_runs_the_readmes_commands() -> None:
         service = found[name]
         assert service["profiles"] == ["app"], f"{name}: `docker compose up` alone stays lean"
         assert service["build"] == "."
+        assert service["init"] is True, f"{name}: a stop signal must reach the command"
         assert (ROOT / "Dockerfile").is_file()
         command, ctx = command_of(service["command"])
         assert f"duebox {command.name}" in readme or name == "migrate", name
