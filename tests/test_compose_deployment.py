@@ -107,7 +107,9 @@ def test_the_deployment_starts_and_runs_a_job(empty_pg: str, redis_keys: Keys,
         for name, check in checks.items():
             _wait(lambda check=check: _healthy(check, env), f"{name}'s health check", alive)
 
+        # A producer of its own: the same task name, its handler is the worker's.
         jobs = duebox.Duebox(database_url=empty_pg, broker_url=redis_keys.url())
+        jobs.add_task("send-reminder", lambda payload, ctx: None)
         try:
             job_id = jobs.enqueue("send-reminder", {"order_id": 42})
             _wait(lambda: _state(jobs, job_id) == "SUCCEEDED", "the job to run", alive)

@@ -5,6 +5,9 @@ it (docs/dashboard.md, "JSON API")."""
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +52,7 @@ def test_every_page_has_its_data_as_json(seeded: Seeded, serve: Serve) -> None:
     job = _ok(c, f"/api/jobs/{s.dead[0]}")
     assert (job["state"], job["error_class"], job["key"]) == ("DEAD", "permanent", "order-0")
     assert job["masking"]["payload"]["card"] == "****1111"
-    assert job["last_error"].endswith("card **** declined by the provider")
+    assert "card **** declined by the provider" in job["last_error"]
     assert all("card **** declined" in a["error"] for a in job["attempts"])
     assert [e["name"] for e in job["timeline"]][:2] == ["created", "due"]
     assert job["where"] == "finished: DEAD"
@@ -57,7 +60,7 @@ def test_every_page_has_its_data_as_json(seeded: Seeded, serve: Serve) -> None:
 
     dlq = _ok(c, "/api/dlq?error_class=permanent")
     assert dlq["total"] == len(s.dead)
-    assert all(j["error"].endswith("card **** declined by the provider") for j in dlq["jobs"])
+    assert all("card **** declined by the provider" in j["error"] for j in dlq["jobs"])
 
     schedules = _ok(c, "/api/schedules")
     (nightly,) = schedules["schedules"]
@@ -69,7 +72,7 @@ def test_every_page_has_its_data_as_json(seeded: Seeded, serve: Serve) -> None:
 
     procs = _ok(c, "/api/processes")
     assert "worker:seed-host:2:ef01" in {p["name"] for p in procs["processes"]}
-    assert [lease["name"] for lease in procs["leases"]] == ["shard:0-511"]
+    assert "shard:0-511" in [lease["name"] for lease in procs["leases"]]
 
 
 def test_pages_of_jobs_follow_the_cursor(seeded: Seeded, serve: Serve) -> None:
@@ -80,7 +83,8 @@ def test_pages_of_jobs_follow_the_cursor(seeded: Seeded, serve: Serve) -> None:
         page = _ok(c, path)
         assert len(page["jobs"]) <= 7
         seen += [j["id"] for j in page["jobs"]]
-        path = f"/api/jobs?state=SCHEDULED&limit=7&after={page['next']}" if page["next"] else ""
+        after = urllib.parse.quote(page["next"] or "", safe="")
+        path = f"/api/jobs?state=SCHEDULED&limit=7&after={after}" if after else ""
     assert len(seen) == len(set(seen))
     assert {str(i) for i in seeded.future} <= set(seen)
 
@@ -140,11 +144,8 @@ def test_a_wrong_method_is_405_with_allow(seeded: Seeded, serve: Serve) -> None:
         page = c.post(path, {"q": "x"})
         assert page.status == 405, (path, page.text)
         assert _json(page)["error"]["status"] == 405
-    put = c.opener.open  # urllib raises on 405: read the error's headers
-    import urllib.error
-    import urllib.request
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        put(urllib.request.Request(c.base + "/api/jobs", method="DELETE"), timeout=10)
+    with pytest.raises(urllib.error.HTTPError) as refused:  # to read a 405's headers
+        c.opener.open(urllib.request.Request(c.base + "/api/jobs", method="DELETE"), timeout=10)
     assert refused.value.code == 405
     assert refused.value.headers["Allow"] == "GET, HEAD"
     assert c.get("/?ahead=7h").status == 400, "the page checks the same field"
