@@ -146,6 +146,7 @@ def test_a_wrong_method_is_405_with_allow(seeded: Seeded, serve: Serve) -> None:
         assert _json(page)["error"]["status"] == 405
     with pytest.raises(urllib.error.HTTPError) as refused:  # to read a 405's headers
         c.opener.open(urllib.request.Request(c.base + "/api/jobs", method="DELETE"), timeout=10)
+    refused.value.close()
     assert refused.value.code == 405
     assert refused.value.headers["Allow"] == "GET, HEAD"
     assert c.get("/?ahead=7h").status == 400, "the page checks the same field"

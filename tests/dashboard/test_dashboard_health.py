@@ -28,8 +28,9 @@ def test_healthy_while_the_database_answers(seeded: Seeded, serve: Serve) -> Non
     page = c.get("/healthz")
     assert page.status == 200, page.text
     assert json.loads(page.text) == {"status": "ok", "database": "ok"}
-    head = c.opener.open(urllib.request.Request(c.base + "/healthz", method="HEAD"), timeout=10)
-    assert (head.status, head.read()) == (200, b"")
+    with c.opener.open(urllib.request.Request(c.base + "/healthz", method="HEAD"),
+                       timeout=10) as head:
+        assert (head.status, head.read()) == (200, b"")
     assert c.post("/healthz", {}).status == 405
     assert json.loads(c.get("/healthz?verbose=1").text)["error"]["field"] == "verbose"
 
@@ -42,6 +43,7 @@ def _unhealthy(c: Client) -> str:
     assert e.headers["Content-Type"] == "application/json"
     assert e.headers["Retry-After"] == "5"
     body = json.loads(e.read())
+    e.close()
     assert body["status"] == "unavailable"
     return str(body["database"])
 
