@@ -130,7 +130,14 @@ def service_missing(what: str, exc: BaseException) -> None:
 @pytest.fixture(scope="session")
 def pg_server_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this test session."""
-    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
+    with pg_database() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def pg_database(prefix: str = "duebox_test") -> Iterator[str]:
+    """A new, empty PostgreSQL database (no tables), dropped at the end."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
