@@ -28,6 +28,12 @@ restarted without persistence, ``FLUSHALL``) the relay reconciles at once.
 
 URL: ``redis://[:password@]host:port/db?prefix=duebox&horizon=3600&group=duebox
 &claim_idle=30&max_delay=...``; other query parameters go to redis-py.
+
+A Redis Cluster (``cluster=1``, or several seeds ``redis://h1:p1,h2:p2/0``)
+goes through redis-py's ``RedisCluster``: each script touches one queue's
+keys (one slot), a worker keeps one read per queue in flight (one
+``XREADGROUP`` cannot span slots), and ``data_lost`` also says so after a
+failover (brokers/redis_shards.py).  docs/brokers.md, "Redis Cluster".
 """
 
 from __future__ import annotations
@@ -69,12 +75,22 @@ from .base import (
     buffer_size,
     refused,
 )
-from .redis_mover import IDLE_WAKE, MOVE_LIMIT, Mover, reraise_lost_cancel, text
+from .redis_mover import (
+    FAILED,
+    IDLE_WAKE,
+    MOVE_LIMIT,
+    Client,
+    Mover,
+    passing,
+    reraise_lost_cancel,
+    text,
+)
 from .redis_settings import Keys, RedisSettings
+from .redis_shards import ShardView, shard_view, shards_changed
 
 try:
     import redis.asyncio as aioredis
-    from redis.exceptions import RedisError, ResponseError
+    from redis.exceptions import ResponseError
 except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
     raise MissingDependencyError("redis", "redis") from exc
 
@@ -88,6 +104,12 @@ _PUBLISH_CHUNK = 1000
 _ACK_LINGER = 0.002
 _REFILL_PART = 8  # read again once this part of the prefetch is free
 _PRUNE_EVERY = 600.0  # seconds between sweeps for consumers that left long ago
+# A failing read waits at most this long before the next (seconds).  A
+# cluster's is short: a failover ends within seconds, and a worker's other
+# queues, on other shards, wait behind it.
+_BACKOFF_CAP = 5.0
+_CLUSTER_BACKOFF_CAP = 1.0
+_SHARDS_EVERY = 0.5  # seconds between two looks at a cluster's shards (data_lost)
 
 
 class RedisBroker(PublishingBroker):
@@ -115,7 +137,15 @@ class RedisBroker(PublishingBroker):
         super().__init__(url, context)
         self.consumer = context.worker_name
         self.reclaimed = 0  # deliveries taken over from idle consumers (tests, metrics)
-        self._client: aioredis.Redis | None = None
+        self._client: Client | None = None
+        # A cluster's shards as last seen: slot ranges -> (primary's node id,
+        # its replication offset); see data_lost.
+        self._shards: ShardView | None = None
+        self._shards_due = 0.0
+        self._turn = 0  # which queue's read goes first when not all fit (_read_each)
+        # One blocking read per queue in flight on a cluster (see _read_each):
+        # queue -> (the read, the count it asked for).
+        self._reads: dict[str, tuple[asyncio.Task[Any], int]] = {}
         self._scripts: dict[str, Any] = {}
         self._in_flight: dict[str, str] = {}  # stream entry id -> queue
         self._freed = asyncio.Event()
@@ -138,9 +168,22 @@ class RedisBroker(PublishingBroker):
     # --- connection -----------------------------------------------------------
 
     def _where(self) -> str:
+        if self.settings.cluster:
+            return "redis cluster at " + ",".join(f"{h}:{p}" for h, p in self.settings.seeds)
         parts = urlsplit(self.settings.client_url)
         host = parts.hostname or "localhost"
         return f"redis at {host}:{parts.port or 6379}{parts.path or ''}"
+
+    def _connect(self, options: dict[str, Any]) -> Client:
+        if not self.settings.cluster:
+            return aioredis.Redis.from_url(self.settings.client_url, **options)
+        from redis.asyncio.cluster import ClusterNode
+
+        # Every host of the URL is a seed: the cluster is found through any
+        # that answers.  MOVED and ASK are followed by redis-py.
+        return aioredis.RedisCluster.from_url(
+            self.settings.client_url, **options,
+            startup_nodes=[ClusterNode(h, p) for h, p in self.settings.seeds[1:]])
 
     async def open(self) -> None:
         if self._client is not None:
@@ -152,19 +195,28 @@ class RedisBroker(PublishingBroker):
                 c if c.isalnum() or c in "-_.:#" else "_"
                 for c in f"{self.settings.prefix}:{self.consumer}")
         try:
-            client = aioredis.Redis.from_url(self.settings.client_url, **options)
-        except ValueError as exc:
+            client = self._connect(options)
+        except (ValueError, TypeError) as exc:
             raise ConfigurationError(f"broker_url: {exc}") from exc
         try:
-            await client.ping()
-        except RedisError as exc:
+            if isinstance(client, aioredis.RedisCluster):
+                # The slot map, from any seed (a PING would go to every node,
+                # and fail while one is down).
+                await client.initialize()
+            else:
+                await client.ping()
+        except FAILED as exc:
             await client.aclose()
             raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
         self._scripts = {name: client.register_script(scripts.source(name))
                          for name in scripts.NAMES}
         self._client = client
-        with contextlib.suppress(RedisError):  # CONFIG may be disabled (managed Redis)
-            policy = (await client.config_get("maxmemory-policy")).get("maxmemory-policy")
+        with contextlib.suppress(*FAILED):  # CONFIG may be disabled (managed Redis)
+            # On a cluster, one node's answer stands for all (set them alike).
+            target = ({"target_nodes": aioredis.RedisCluster.RANDOM}
+                      if isinstance(client, aioredis.RedisCluster) else {})
+            reply = await client.config_get("maxmemory-policy", **target)
+            policy = reply.get("maxmemory-policy") if isinstance(reply, dict) else None
             if policy and text(policy).startswith("allkeys"):
                 log.warning("%s evicts keys under memory pressure (maxmemory-policy=%s): "
                             "use noeviction; duebox keys carry no TTL", self._where(),
@@ -175,10 +227,10 @@ class RedisBroker(PublishingBroker):
             await acks.flush()
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*FAILED, OSError):
                 await client.aclose()
 
-    async def _redis(self) -> aioredis.Redis:
+    async def _redis(self) -> Client:
         if self._client is None:
             await self.open()
         assert self._client is not None
@@ -198,7 +250,7 @@ class RedisBroker(PublishingBroker):
         for i, out in enumerate(batch):
             by_queue.setdefault(out.message.queue, []).append(i)
         results: list[PublishResult | None] = [None] * len(batch)
-        errors: list[RedisError] = []
+        errors: list[Exception] = []
         calls = 0
         for queue, indexes in by_queue.items():
             try:
@@ -222,11 +274,15 @@ class RedisBroker(PublishingBroker):
                     args += [out.message.id_text, out.message.version, score,
                              out.message.encode()]
                 try:
-                    # The queue names, for cancel(); renewed every call, so a
-                    # Redis that lost its data relearns them.
-                    await client.sadd(f"{self.settings.prefix}:queues", queue)
                     placed = await self._run("publish", [k.due, k.msg, k.ready, k.held], args)
-                except RedisError as exc:
+                    # The queue names, for cancel(); renewed every call, so a
+                    # Redis that lost its data relearns them.  Best effort: on
+                    # a cluster this key's shard may be down while the
+                    # queue's serves (cancel is optional; the version check
+                    # discards what it leaves).
+                    with contextlib.suppress(*FAILED):
+                        await client.sadd(f"{self.settings.prefix}:queues", queue)
+                except FAILED as exc:
                     errors.append(exc)
                     for i in chunk:
                         results[i] = PublishResult(batch[i].message.job_id, False, error=str(exc))
@@ -252,7 +308,7 @@ class RedisBroker(PublishingBroker):
             for q in sorted(text(q) for q in queues):
                 k = self.keys(q)
                 total += int(await self._run("cancel", [k.due, k.msg, k.ready, k.held], ids))
-        except RedisError as exc:
+        except FAILED as exc:
             raise BrokerError(f"{self._where()}: cancel failed: {exc}") from exc
         return total
 
@@ -270,18 +326,40 @@ class RedisBroker(PublishingBroker):
                     args += [str(ref.id), str(ref.version)]
                 found = await self._run("missing", [k.due, k.ready, k.held], args)
                 gone += [uuid.UUID(text(x)) for x in found]
-        except RedisError as exc:
+        except FAILED as exc:
             raise BrokerError(f"{self._where()}: reconciliation failed: {exc}") from exc
         return gone
 
     async def data_lost(self) -> bool:
         """True once after the sentinel key vanished (and on first use against
-        an empty Redis, when reconciling is cheap and harmless)."""
+        an empty Redis, when reconciling is cheap and harmless).  On a
+        cluster, also once after a shard's primary changed or went back (see
+        :meth:`_shards_changed`)."""
         client = await self._redis()
+        if isinstance(client, aioredis.RedisCluster):
+            return await self._cluster_lost(client)
         try:
             return bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
-        except RedisError as exc:
+        except FAILED as exc:
             raise BrokerError(f"{self._where()}: {exc}") from exc
+
+    async def _cluster_lost(self, client: aioredis.RedisCluster) -> bool:
+        """The sentinel lives on one shard; any other may fail over alone.
+        While a shard does not answer this says False: the relay's pass goes
+        on with the shards that do, and a later look sees the new primary."""
+        now = time.monotonic()
+        if now < self._shards_due:
+            return False
+        self._shards_due = now + _SHARDS_EVERY
+        try:
+            fresh = bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
+            shards = shard_view(await client.cluster_shards())
+        except FAILED as exc:
+            self._log.warning("shards", "%s: cannot look at the cluster now (%s); again "
+                              "shortly", self._where(), exc)
+            return False
+        seen, self._shards = self._shards, shards
+        return fresh or (seen is not None and shards_changed(seen, shards))
 
     def queue_name(self, queue: str) -> str:
         self.check_queue_name(self.url, queue)
@@ -293,7 +371,7 @@ class RedisBroker(PublishingBroker):
         names = [self.queue_name(q) for q in queues]
         try:
             await self._ensure_groups(await self._redis(), list(queues))
-        except RedisError as exc:
+        except FAILED as exc:
             raise BrokerError(f"{self._where()}: declaring {', '.join(queues)} failed: "
                               f"{exc}") from exc
         return names
@@ -302,8 +380,14 @@ class RedisBroker(PublishingBroker):
         """The mover a duebox worker runs, for queues no duebox worker reads:
         parked messages reach the ready stream as they come due."""
         if queues:
-            await Mover(await self._redis(), self.keys, self._run, self.context.clock,
-                        self._where(), self._log).run(list(queues), stop)
+            await self._mover(await self._redis()).run(list(queues), stop)
+
+    def _mover(self, client: Client) -> Mover:
+        return Mover(client, self.keys, self._run, self.context.clock, self._where(), self._log,
+                     backoff_cap=self._backoff_cap())
+
+    def _backoff_cap(self) -> float:
+        return _CLUSTER_BACKOFF_CAP if self.settings.cluster else _BACKOFF_CAP
 
     def locate(self, job: EnqueuedRef, now: datetime) -> str:
         if job.due_at > now:
@@ -318,20 +402,22 @@ class RedisBroker(PublishingBroker):
         client = await self._redis()
         stop = asyncio.Event()
         mover = asyncio.create_task(
-            Mover(client, self.keys, self._run, self.context.clock, self._where(),
-                  self._log).run(names, stop), name="duebox-redis-mover")
+            self._mover(client).run(names, stop), name="duebox-redis-mover")
         ready = False
         next_reclaim = next_prune = 0.0
         backoff = 0.1
+        cap = self._backoff_cap()
         try:
             while True:
                 reraise_lost_cancel()
                 size = buffer_size(prefetch, wanted)
-                room = size - len(self._in_flight)
+                # Reads still in flight (a cluster's) may bring what they asked for.
+                room = size - len(self._in_flight) - sum(n for _, n in self._reads.values())
                 # With most of the prefetch in hand, wait for a few slots
                 # to free up: refilling one slot per read cost a round trip
                 # per message.
-                if room <= 0 or (room < size // _REFILL_PART and self._in_flight):
+                if not self._reads and (room <= 0 or (room < size // _REFILL_PART
+                                                      and self._in_flight)):
                     await wait_any(IDLE_WAKE, self._freed)
                     self._freed.clear()
                     continue
@@ -345,23 +431,26 @@ class RedisBroker(PublishingBroker):
                         batch = await self._reclaim(client, names, room)
                     if time.monotonic() >= next_prune:
                         next_prune = time.monotonic() + _PRUNE_EVERY
-                        with contextlib.suppress(RedisError):  # housekeeping only
+                        with contextlib.suppress(*FAILED):  # housekeeping only
                             await self._prune_consumers(client, names)
                     if not batch:
                         block = max(1, int(min(1.0, next_reclaim - time.monotonic()) * 1000))
                         batch = await self._read(client, names, room, block)
                     backoff = 0.1
-                except ResponseError as exc:
-                    if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
+                except FAILED as exc:
+                    if isinstance(exc, ResponseError) and str(exc).startswith(
+                            ("NOGROUP", "UNBLOCKED")):
+                        # Redis lost the stream and its group (or a failover
+                        # unblocked the read): make them again.
+                        ready = False
+                        continue
+                    if isinstance(exc, ResponseError) and not passing(exc):
                         raise BrokerError(f"{self._where()}: {exc}") from exc
-                    ready = False  # Redis lost the stream and its group: make them again
-                    continue
-                except RedisError as exc:
                     reraise_lost_cancel()
                     self._log.warning("read", "%s: read failed (%s); retrying in %.1fs",
                                       self._where(), exc, backoff)
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    backoff = min(backoff * 2, cap)
                     continue
                 reraise_lost_cancel()
                 for delivery in batch:
@@ -369,9 +458,13 @@ class RedisBroker(PublishingBroker):
         finally:
             stop.set()
             mover.cancel()
-            await asyncio.wait({mover}, timeout=2.0)
+            reads = [task for task, _ in self._reads.values()]
+            self._reads.clear()
+            for task in reads:
+                task.cancel()
+            await asyncio.wait({mover, *reads}, timeout=2.0)
 
-    async def _ensure_groups(self, client: aioredis.Redis, names: list[str]) -> None:
+    async def _ensure_groups(self, client: Client, names: list[str]) -> None:
         for q in names:
             try:
                 # From "0", not "$": entries added before the group existed
@@ -391,8 +484,10 @@ class RedisBroker(PublishingBroker):
         return self.delivery(fields.get(b"body", b""), raw=entry, redelivered=redelivered,
                                   extra={"queue": queue, "entry": entry, "job": job})
 
-    async def _read(self, client: aioredis.Redis, names: list[str], room: int,
+    async def _read(self, client: Client, names: list[str], room: int,
                     block_ms: int) -> list[Delivery]:
+        if isinstance(client, aioredis.RedisCluster) and len(names) > 1:
+            return await self._read_each(client, names, room, block_ms)
         streams = {self.keys(q).ready: ">" for q in names}
         by_stream = {self.keys(q).ready: q for q in names}
         count = max(1, room // len(names))
@@ -406,7 +501,48 @@ class RedisBroker(PublishingBroker):
                 out.append(self._delivery(queue, eid, fields, redelivered=False))
         return out
 
-    async def _reclaim(self, client: aioredis.Redis, names: list[str],
+    async def _read_each(self, client: aioredis.RedisCluster, names: list[str], room: int,
+                         block_ms: int) -> list[Delivery]:
+        """A cluster's reads: one ``XREADGROUP`` may not read streams of
+        several slots, and each queue is a slot of its own, so each queue has
+        its own blocking read, all in flight at once.  Returns as soon as one
+        brought entries; the others stay in flight, collected by a later call
+        (so a failing shard holds up no other queue's delivery)."""
+        idle = [q for q in names if q not in self._reads]
+        if room > 0 and idle:
+            # When fewer slots are free than queues wait, they take turns.
+            self._turn = (self._turn + 1) % len(idle)
+            idle = (idle[self._turn:] + idle[:self._turn])[:room]
+            count = max(1, room // len(idle))
+            for q in idle:
+                read = client.xreadgroup(self.settings.group, self.consumer,
+                                         {self.keys(q).ready: ">"}, count=count, block=block_ms)
+                self._reads[q] = (asyncio.ensure_future(read), count)
+        if not self._reads:
+            return []
+        await asyncio.wait([task for task, _ in self._reads.values()],
+                           return_when=asyncio.FIRST_COMPLETED)
+        out: list[Delivery] = []
+        failed: BaseException | None = None
+        for q, (task, _) in list(self._reads.items()):
+            if not task.done():
+                continue
+            del self._reads[q]
+            error = task.exception()
+            if error is not None:
+                failed = failed or error
+                continue
+            for _stream, entries in task.result() or []:
+                for eid, fields in entries:
+                    out.append(self._delivery(q, eid, fields, redelivered=False))
+        if failed is not None:
+            if not out:
+                raise failed
+            self._log.warning("read", "%s: a read failed (%s); the others go on",
+                              self._where(), failed)
+        return out
+
+    async def _reclaim(self, client: Client, names: list[str],
                        room: int) -> list[Delivery]:
         """Take over entries unacknowledged for longer than ``claim_idle``: their
         worker died, or its handler is still running (then the start finds the
@@ -447,14 +583,14 @@ class RedisBroker(PublishingBroker):
                     if str(exc).startswith("NOGROUP"):
                         break  # no stream or group: nothing was pending
                     raise BrokerError(f"{self._where()}: {exc}") from exc
-                except RedisError as exc:
+                except FAILED as exc:
                     raise BrokerError(f"{self._where()}: {exc}") from exc
                 total += int(handed)
                 if int(looked) < MOVE_LIMIT:
                     break
         return total
 
-    async def _prune_consumers(self, client: aioredis.Redis, names: list[str]) -> None:
+    async def _prune_consumers(self, client: Client, names: list[str]) -> None:
         """Forget consumers with nothing pending that were idle for an hour (or
         ten claim periods): dead workers' names would pile up otherwise."""
         limit_ms = max(3600.0, 10 * self.settings.claim_idle) * 1000
@@ -487,7 +623,7 @@ class RedisBroker(PublishingBroker):
                 "acking", functools.partial(self._ack_many, k), lanes=1, linger=_ACK_LINGER)
         try:
             await acks.call((entry, job))
-        except RedisError as exc:
+        except FAILED as exc:
             # The entry stays pending; it is taken over after claim_idle and
             # the redelivery is discarded by the version check.
             self._log.warning("ack", "%s: ack of %s failed: %s", self._where(), entry, exc)
@@ -504,7 +640,7 @@ class RedisBroker(PublishingBroker):
         for k, acks in by_stream.values():
             try:
                 await self._ack_many(k, acks)
-            except RedisError as exc:  # pending: taken over after claim_idle, then discarded
+            except FAILED as exc:  # pending: taken over after claim_idle, then discarded
                 self._log.warning("ack", "%s: ack of %d entries failed: %s", self._where(),
                                   len(acks), exc)
 
@@ -544,6 +680,6 @@ class RedisBroker(PublishingBroker):
             await self._run("defer", [k.due, k.msg, k.ready, k.held],
                             [self.settings.group, entry, job or str(msg.job_id), msg.version,
                              score, msg.encode(), k.wake])
-        except RedisError as exc:
+        except FAILED as exc:
             self._log.warning("defer", "%s: defer of %s failed: %s", self._where(), entry, exc)
         return True
