@@ -85,6 +85,7 @@ from .redis_mover import (
     reraise_lost_cancel,
     text,
 )
+from .redis_reads import EachQueue
 from .redis_settings import Keys, RedisSettings
 from .redis_shards import ShardView, shard_view, shards_changed
 
@@ -142,10 +143,6 @@ class RedisBroker(PublishingBroker):
         # its replication offset); see data_lost.
         self._shards: ShardView | None = None
         self._shards_due = 0.0
-        self._turn = 0  # which queue's read goes first when not all fit (_read_each)
-        # One blocking read per queue in flight on a cluster (see _read_each):
-        # queue -> (the read, the count it asked for).
-        self._reads: dict[str, tuple[asyncio.Task[Any], int]] = {}
         self._scripts: dict[str, Any] = {}
         self._in_flight: dict[str, str] = {}  # stream entry id -> queue
         self._freed = asyncio.Event()
@@ -155,6 +152,10 @@ class RedisBroker(PublishingBroker):
         # busy worker's CPU).
         self._acks: dict[str, Batched[tuple[str, str], None]] = {}
         self._log = CollapsedLog(log)
+        # A cluster's reads: one per queue in flight (brokers/redis_reads.py).
+        self._each = EachQueue(self.settings.group, self.consumer,
+                               lambda q: self.keys(q).ready, self._where(), self._log,
+                               self._backoff_cap())
 
     @classmethod
     def check_queue_name(cls, url: str, name: str) -> None:
@@ -344,9 +345,10 @@ class RedisBroker(PublishingBroker):
             raise BrokerError(f"{self._where()}: {exc}") from exc
 
     async def _cluster_lost(self, client: aioredis.RedisCluster) -> bool:
-        """The sentinel lives on one shard; any other may fail over alone.
-        While a shard does not answer this says False: the relay's pass goes
-        on with the shards that do, and a later look sees the new primary."""
+        """The sentinel lives on one shard; any other may fail over alone, so
+        the shards are looked at too (brokers/redis_shards.py).  While a
+        shard does not answer this says False: the relay's pass goes on with
+        the shards that do, and a later look sees the new primary."""
         now = time.monotonic()
         if now < self._shards_due:
             return False
@@ -359,7 +361,9 @@ class RedisBroker(PublishingBroker):
                               "shortly", self._where(), exc)
             return False
         seen, self._shards = self._shards, shards
-        return fresh or (seen is not None and shards_changed(seen, shards))
+        # The first look reconciles too: a relay (re)started during a
+        # failover has nothing to compare with.
+        return fresh or seen is None or shards_changed(seen, shards)
 
     def queue_name(self, queue: str) -> str:
         self.check_queue_name(self.url, queue)
@@ -412,11 +416,11 @@ class RedisBroker(PublishingBroker):
                 reraise_lost_cancel()
                 size = buffer_size(prefetch, wanted)
                 # Reads still in flight (a cluster's) may bring what they asked for.
-                room = size - len(self._in_flight) - sum(n for _, n in self._reads.values())
+                room = size - len(self._in_flight) - self._each.asked()
                 # With most of the prefetch in hand, wait for a few slots
                 # to free up: refilling one slot per read cost a round trip
                 # per message.
-                if not self._reads and (room <= 0 or (room < size // _REFILL_PART
+                if not self._each.reads and (room <= 0 or (room < size // _REFILL_PART
                                                       and self._in_flight)):
                     await wait_any(IDLE_WAKE, self._freed)
                     self._freed.clear()
@@ -458,11 +462,8 @@ class RedisBroker(PublishingBroker):
         finally:
             stop.set()
             mover.cancel()
-            reads = [task for task, _ in self._reads.values()]
-            self._reads.clear()
-            for task in reads:
-                task.cancel()
-            await asyncio.wait({mover, *reads}, timeout=2.0)
+            await self._each.cancel()
+            await asyncio.wait({mover}, timeout=2.0)
 
     async def _ensure_groups(self, client: Client, names: list[str]) -> None:
         for q in names:
@@ -487,7 +488,8 @@ class RedisBroker(PublishingBroker):
     async def _read(self, client: Client, names: list[str], room: int,
                     block_ms: int) -> list[Delivery]:
         if isinstance(client, aioredis.RedisCluster) and len(names) > 1:
-            return await self._read_each(client, names, room, block_ms)
+            return [self._delivery(q, eid, fields, redelivered=False) for q, eid, fields
+                    in await self._each.read(client, names, room, block_ms)]
         streams = {self.keys(q).ready: ">" for q in names}
         by_stream = {self.keys(q).ready: q for q in names}
         count = max(1, room // len(names))
@@ -499,47 +501,6 @@ class RedisBroker(PublishingBroker):
             queue = by_stream[text(stream)]
             for eid, fields in entries:
                 out.append(self._delivery(queue, eid, fields, redelivered=False))
-        return out
-
-    async def _read_each(self, client: aioredis.RedisCluster, names: list[str], room: int,
-                         block_ms: int) -> list[Delivery]:
-        """A cluster's reads: one ``XREADGROUP`` may not read streams of
-        several slots, and each queue is a slot of its own, so each queue has
-        its own blocking read, all in flight at once.  Returns as soon as one
-        brought entries; the others stay in flight, collected by a later call
-        (so a failing shard holds up no other queue's delivery)."""
-        idle = [q for q in names if q not in self._reads]
-        if room > 0 and idle:
-            # When fewer slots are free than queues wait, they take turns.
-            self._turn = (self._turn + 1) % len(idle)
-            idle = (idle[self._turn:] + idle[:self._turn])[:room]
-            count = max(1, room // len(idle))
-            for q in idle:
-                read = client.xreadgroup(self.settings.group, self.consumer,
-                                         {self.keys(q).ready: ">"}, count=count, block=block_ms)
-                self._reads[q] = (asyncio.ensure_future(read), count)
-        if not self._reads:
-            return []
-        await asyncio.wait([task for task, _ in self._reads.values()],
-                           return_when=asyncio.FIRST_COMPLETED)
-        out: list[Delivery] = []
-        failed: BaseException | None = None
-        for q, (task, _) in list(self._reads.items()):
-            if not task.done():
-                continue
-            del self._reads[q]
-            error = task.exception()
-            if error is not None:
-                failed = failed or error
-                continue
-            for _stream, entries in task.result() or []:
-                for eid, fields in entries:
-                    out.append(self._delivery(q, eid, fields, redelivered=False))
-        if failed is not None:
-            if not out:
-                raise failed
-            self._log.warning("read", "%s: a read failed (%s); the others go on",
-                              self._where(), failed)
         return out
 
     async def _reclaim(self, client: Client, names: list[str],
