@@ -143,6 +143,7 @@ class RedisBroker(PublishingBroker):
         # its replication offset); see data_lost.
         self._shards: ShardView | None = None
         self._shards_due = 0.0
+        self._queues_told: set[str] = set()  # queues added to PREFIX:queues (publish)
         self._scripts: dict[str, Any] = {}
         self._in_flight: dict[str, str] = {}  # stream entry id -> queue
         self._freed = asyncio.Event()
@@ -251,50 +252,66 @@ class RedisBroker(PublishingBroker):
         for i, out in enumerate(batch):
             by_queue.setdefault(out.message.queue, []).append(i)
         results: list[PublishResult | None] = [None] * len(batch)
-        errors: list[Exception] = []
-        calls = 0
-        for queue, indexes in by_queue.items():
+        for queue, indexes in list(by_queue.items()):
             try:
                 self.check_queue_name(self.url, queue)
             except ValidationError as exc:
                 for i in indexes:
                     results[i] = refused(batch[i].message.job_id, exc)
-                continue
-            k = self.keys(queue)
-            for start in range(0, len(indexes), _PUBLISH_CHUNK):
-                chunk = indexes[start:start + _PUBLISH_CHUNK]
-                calls += 1
-                now_ms = self.context.clock.now().timestamp() * 1000.0
-                args: list[Any] = [math.floor(now_ms), k.wake]
-                for i in chunk:
-                    out = batch[i]
-                    # Delay 0 means already due: straight onto the stream.  A
-                    # later one is parked, rounded up to the millisecond.
-                    score = (math.floor(now_ms) if out.delay <= 0
-                             else math.ceil(now_ms + out.delay * 1000.0))
-                    args += [out.message.id_text, out.message.version, score,
-                             out.message.encode()]
-                try:
-                    placed = await self._run("publish", [k.due, k.msg, k.ready, k.held], args)
-                    # The queue names, for cancel(); renewed every call, so a
-                    # Redis that lost its data relearns them.  Best effort: on
-                    # a cluster this key's shard may be down while the
-                    # queue's serves (cancel is optional; the version check
-                    # discards what it leaves).
-                    with contextlib.suppress(*FAILED):
-                        await client.sadd(f"{self.settings.prefix}:queues", queue)
-                except FAILED as exc:
-                    errors.append(exc)
-                    for i in chunk:
-                        results[i] = PublishResult(batch[i].message.job_id, False, error=str(exc))
-                    continue
-                for i, where in zip(chunk, placed, strict=True):
-                    where = text(where)
-                    results[i] = PublishResult(batch[i].message.job_id, True,
-                                               None if where in ("z", "stale") else where)
-        if errors and len(errors) == calls:  # nothing got through: an outage
+                del by_queue[queue]
+        sends = [self._publish_queue(client, queue, indexes, batch, results)
+                 for queue, indexes in by_queue.items()]
+        if isinstance(client, aioredis.RedisCluster):
+            # Each queue's shard at once: one failing over holds up no other.
+            outcomes = [e for errors in await asyncio.gather(*sends) for e in errors]
+        else:
+            outcomes = [e for send in sends for e in await send]
+        errors = [e for e in outcomes if e is not None]
+        if errors and len(errors) == len(outcomes):  # nothing got through: an outage
             raise BrokerError(f"{self._where()} refused the publish: {errors[0]}") from errors[0]
         return [r for r in results if r is not None]
+
+    async def _publish_queue(self, client: Client, queue: str, indexes: list[int],
+                             batch: Sequence[Outgoing], results: list[PublishResult | None]
+                             ) -> list[Exception | None]:
+        """One queue's share of a batch, a script call per chunk; fills in
+        ``results``; returns each call's error (None: it went through)."""
+        k = self.keys(queue)
+        outcomes: list[Exception | None] = []
+        for start in range(0, len(indexes), _PUBLISH_CHUNK):
+            chunk = indexes[start:start + _PUBLISH_CHUNK]
+            now_ms = self.context.clock.now().timestamp() * 1000.0
+            args: list[Any] = [math.floor(now_ms), k.wake]
+            for i in chunk:
+                out = batch[i]
+                # Delay 0 means already due: straight onto the stream.  A
+                # later one is parked, rounded up to the millisecond.
+                score = (math.floor(now_ms) if out.delay <= 0
+                         else math.ceil(now_ms + out.delay * 1000.0))
+                args += [out.message.id_text, out.message.version, score,
+                         out.message.encode()]
+            try:
+                placed = await self._run("publish", [k.due, k.msg, k.ready, k.held], args)
+                if queue not in self._queues_told:
+                    # The queue names, for cancel(); told again once Redis
+                    # may have lost them (data_lost).  Best effort: on a
+                    # cluster this key's shard may be down while the queue's
+                    # serves (cancel is optional; the version check discards
+                    # what it leaves).
+                    with contextlib.suppress(*FAILED):
+                        await client.sadd(f"{self.settings.prefix}:queues", queue)
+                        self._queues_told.add(queue)
+            except FAILED as exc:
+                outcomes.append(exc)
+                for i in chunk:
+                    results[i] = PublishResult(batch[i].message.job_id, False, error=str(exc))
+                continue
+            outcomes.append(None)
+            for i, where in zip(chunk, placed, strict=True):
+                where = text(where)
+                results[i] = PublishResult(batch[i].message.job_id, True,
+                                           None if where in ("z", "stale") else where)
+        return outcomes
 
     async def cancel(self, job_ids: Sequence[uuid.UUID]) -> int:
         """Drop cancelled jobs' entries: parked ones and stream entries no worker
@@ -338,11 +355,15 @@ class RedisBroker(PublishingBroker):
         :meth:`_shards_changed`)."""
         client = await self._redis()
         if isinstance(client, aioredis.RedisCluster):
-            return await self._cluster_lost(client)
-        try:
-            return bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
-        except FAILED as exc:
-            raise BrokerError(f"{self._where()}: {exc}") from exc
+            lost = await self._cluster_lost(client)
+        else:
+            try:
+                lost = bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
+            except FAILED as exc:
+                raise BrokerError(f"{self._where()}: {exc}") from exc
+        if lost:
+            self._queues_told.clear()  # PREFIX:queues may be gone too
+        return lost
 
     async def _cluster_lost(self, client: aioredis.RedisCluster) -> bool:
         """The sentinel lives on one shard; any other may fail over alone, so
