@@ -116,14 +116,20 @@ class EachQueue:
             self.deferred = error
         return out
 
-    async def cancel(self) -> None:
-        """Stop every read in flight (the consumer is closing)."""
-        reads = [task for task, _ in self.reads.values()]
+    async def cancel(self) -> list[Entry]:
+        """Stop every read in flight (the consumer is closing); returns what
+        the reads that had finished brought, for the consumer to give back."""
+        reads = dict(self.reads)
         self.reads.clear()
-        for task in reads:
+        for task, _ in reads.values():
             task.cancel()
         if reads:
-            await asyncio.wait(reads, timeout=2.0)
+            await asyncio.wait([task for task, _ in reads.values()], timeout=2.0)
+        # A read may have finished before the cancel (or redis-py swallowed
+        # it, see redis_mover.reraise_lost_cancel): its entries are pending.
+        return [(q, eid, fields) for q, (task, _) in reads.items()
+                if task.done() and not task.cancelled() and task.exception() is None
+                for _stream, entries in task.result() or [] for eid, fields in entries]
 
 
 __all__ = ["EachQueue", "Entry", "fatal"]
