@@ -78,6 +78,10 @@ class Settings:
     # one of these words, ignoring case, "_" and "-" (duebox.secret_keys).
     # A list, a comma-separated string, or "none"; a task may name its own.
     mask_keys: tuple[str, ...] | str = DEFAULT_MASK_KEYS
+    # One log line per finished job (logger ``duebox.jobs``, INFO): task,
+    # id, attempt, run time, start lateness, outcome.  Off by default: at
+    # thousands of jobs a second the lines cost (docs/observability.md).
+    log_jobs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mask_keys", parse_mask_keys(self.mask_keys))
@@ -98,6 +102,8 @@ class Settings:
         if not _finite(self.clock_skew_margin) or not 0 <= self.clock_skew_margin <= _MOST:
             raise ConfigurationError(f"clock_skew_margin: must be a number from 0 to {_MOST:.0f} "
                                      f"(got {self.clock_skew_margin!r})")
+        if not isinstance(self.log_jobs, bool):
+            raise ConfigurationError(f"log_jobs: must be True or False (got {self.log_jobs!r})")
         if self.removed_schedules not in REMOVED_SCHEDULES:
             raise ConfigurationError(
                 "removed_schedules: must be one of " + ", ".join(REMOVED_SCHEDULES)
