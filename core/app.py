@@ -127,6 +127,9 @@ class Duebox:
             check_queue_name(routes.url_for(task.queue), task.queue)
         if settings.database_url != self.settings.database_url and self._own_engine:
             self.dispose()
+            # Made for the old database: dropped (an event loop would be
+            # needed to close its connections; aiosqlite's are not pooled).
+            self._async_engine = None
         self.settings = settings
         for name, task in self.tasks.items():
             self.tasks[name] = replace(task, secret_keys=self._secret_keys(task.mask_keys,
@@ -144,6 +147,13 @@ class Duebox:
         if self._engine is None:
             self._engine = create_sync_engine(self.settings.database_url)
         return self._engine
+
+    @property
+    def owns_engine(self) -> bool:
+        """Whether the app made its engine (from ``database_url``), rather
+        than being given one (``engine=``): only then does ``configure``
+        point it at another database."""
+        return self._own_engine
 
     @property
     def async_engine(self) -> AsyncEngine:
