@@ -1,8 +1,9 @@
-"""The job page shows a kept result (issue #33 item 4), masked like the
-payload: the values of secret keys as ``****``."""
+"""The job page and its JSON (``/api/jobs/ID``) show a kept result (issue
+#33 item 4), masked like the payload: the values of secret keys as ``****``."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,9 @@ async def test_the_job_page_shows_the_result_masked(database_url: str, serve: Se
         assert "4217" in page
         assert "ak-live-93f1" not in page
         assert "****" in page
+        api = json.loads(client.get(f"/api/jobs/{job_id}").text)  # the JSON API: the same
+        assert api["result"] == {"user_id": 4217, "api_key": "****"}
+        assert api["has_result"] is True
     finally:
         client.server.stop()  # type: ignore[union-attr]
         app.dispose()
