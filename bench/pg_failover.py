@@ -88,8 +88,10 @@ def one_run(sync: bool, broker_kind: str, seed: int, args: argparse.Namespace,
                 pair.pause_wal_sender()
                 time.sleep(args.lag)  # the lag itself is what is measured
             kill_us = time.time_ns() // 1000
-            killed = time.monotonic()
             pair.kill_primary()
+            # Once every process of the primary is gone: its backends
+            # answered until then.
+            killed = time.monotonic()
             pair.promote()
             promoted = time.monotonic()
             poll("jobs on the new primary",
