@@ -1,0 +1,133 @@
+"""A 3-node RabbitMQ cluster losing, by ``kill -9``, the node that holds the
+queue leaders while delayed jobs wait in it (issue #35).
+
+The cluster is the test's own (tests/services/rabbit_cluster.py: Debian's
+``rabbitmq-server`` on free ports, killed in a ``finally``); the shared node
+is not touched.  Queues are quorum queues and delays the TTL tiers
+(``queue_type=quorum&delay_mode=tiers``, the mode docs/brokers.md advises
+for a cluster: the delayed-message plugin keeps a message on one node).
+
+What must hold: every job runs, once in effect (the effects table's primary
+key) and never early, *without* the job table's republish —
+``redeliver_after`` stays at 900 s, far beyond the test — so a message the
+cluster confirmed and then lost with its node would leave its job
+``ENQUEUED`` and fail the test.  The lateness is printed, not asserted
+(bench/SOAK.md, "Failover").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+from conftest import IN_CI, reset_tables
+from helpers import (
+    Running,
+    all_final,
+    check_no_early_start,
+    effect_rows,
+    make_app,
+    schedule_committed,
+    states,
+    us,
+)
+from services.rabbit_cluster import Cluster, available, free_port, rabbit_cluster
+
+import duebox
+from duebox.brokers.amqp import AMQPBroker
+from duebox.clock import utcnow
+
+pytestmark = pytest.mark.timeout(150)
+
+JOBS = 240
+# Due from FIRST_DUE to FIRST_DUE + SPREAD seconds after scheduling: the
+# node dies as soon as all are published, while every one waits in a tier.
+FIRST_DUE, SPREAD = 6.0, 12.0
+QUERY = "queue_type=quorum&delay_mode=tiers"
+
+
+async def test_a_node_that_is_down_is_passed_over(amqp_vhost: str) -> None:
+    """The first node of the URL refuses (nothing listens there): the broker
+    connects through the second, and says which node it is on."""
+    split = urlsplit(amqp_vhost)
+    dead, port = free_port(), split.port or 5672
+    url = urlunsplit(split._replace(netloc=f"{split.netloc.rpartition('@')[0]}@"
+                                           f"127.0.0.1:{dead},{split.hostname}:{port}"))
+    b = duebox.Duebox(database_url="sqlite://", broker_url=f"{url}?delay_mode=tiers").broker(
+        "test")
+    assert isinstance(b, AMQPBroker)
+    assert [p.port for p in b.pika_nodes] == [dead, port]
+    await b.open()
+    try:
+        link = await b._connected()
+        assert link.params.port == port
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    if not available():
+        if IN_CI:
+            pytest.fail("rabbitmq-server (Debian's package) is required under CI=true")
+        pytest.skip("rabbitmq-server is not installed")
+    with rabbit_cluster(3) as c:
+        yield c
+
+
+def leader_node(cluster: Cluster) -> str:
+    """The node most of duebox's queue leaders are on (all of them, when
+    the relay declared them: RabbitMQ places a new quorum queue's leader on
+    the declaring client's node)."""
+    leaders = [n for q, n in cluster.leaders("/").items() if q.startswith("duebox.")]
+    assert leaders, "duebox declared no queue on the cluster"
+    return max(set(leaders), key=leaders.count)
+
+
+@pytest.mark.postgres
+async def test_killing_the_leaders_node_loses_no_job(pg_server_url: str,
+                                                     cluster: Cluster) -> None:
+    reset_tables(pg_server_url)
+    app = make_app(pg_server_url, cluster.url(query=QUERY), lease_seconds=30.0)
+    # near_window=0: every job goes into the tiers at once (not held by the
+    # relay for its last 15 s), so all of them wait in the cluster.
+    async with Running(app, relays=1, workers=1, concurrency=8,
+                       relay_kw={"near_window": 0}) as r:
+        # One job through first: the relay and the worker have declared the
+        # topology, so every queue leader is where it will be at the kill.
+        first = schedule_committed(app)
+        await r.wait(lambda: all_final(app.engine, [first]), timeout=60,
+                     what="a first job through the cluster")
+        victim = cluster.node(await asyncio.to_thread(leader_node, cluster))
+        start = utcnow()
+        ids = [schedule_committed(app, at=start + timedelta(
+            seconds=FIRST_DUE + SPREAD * i / JOBS)) for i in range(JOBS)]
+        await r.wait(lambda: states(app.engine).get("ENQUEUED", 0) == JOBS, timeout=30,
+                     what="every job published into the cluster's tiers")
+        killed_at = utcnow()
+        await asyncio.to_thread(cluster.kill, victim)
+        t0 = time.monotonic()
+        await r.wait(lambda: all_final(app.engine, ids), timeout=60,
+                     what="every job run after the node died (none republished: "
+                          "redeliver_after is 900 s)")
+        print(f"\nkilled {victim.name} {(killed_at - start).total_seconds():.1f} s after "
+              f"scheduling; all {JOBS} jobs done {time.monotonic() - t0:.1f} s later")
+    ids.append(first)
+    rows = effect_rows(app.engine)
+    assert sorted(rows) == sorted(map(str, ids))  # each ran, once in effect
+    check_no_early_start(app.engine)
+    assert states(app.engine) == {"SUCCEEDED": JOBS + 1}
+    killed_us = us(killed_at)
+    batch = [e for e in rows.values() if e.job_id != str(first)]
+    for what, chosen in (("all", batch),
+                         ("due within 5 s of the kill",
+                          [e for e in batch if e.due_us < killed_us + 5_000_000])):
+        ms = sorted((e.started_us - e.due_us) / 1000 for e in chosen)
+        q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
+        print(f"lateness, {what} ({len(ms)} jobs): p50 {q[49]:.0f} ms, p99 {q[98]:.0f} ms, "
+              f"max {ms[-1]:.0f} ms")
