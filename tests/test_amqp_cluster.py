@@ -18,13 +18,16 @@ cluster confirmed and then lost with its node would leave its job
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+from backends import free_port
 from conftest import IN_CI, reset_tables
 from helpers import (
     Running,
@@ -36,7 +39,7 @@ from helpers import (
     states,
     us,
 )
-from services.rabbit_cluster import Cluster, available, free_port, rabbit_cluster
+from services.rabbit_cluster import Cluster, available, rabbit_cluster
 
 import duebox
 from duebox.brokers.amqp import AMQPBroker
@@ -51,23 +54,29 @@ FIRST_DUE, SPREAD = 6.0, 12.0
 QUERY = "queue_type=quorum&delay_mode=tiers"
 
 
-async def test_a_node_that_is_down_is_passed_over(amqp_vhost: str) -> None:
+@pytest.mark.parametrize("mode", ["tiers", "plugin"])
+async def test_a_node_that_is_down_is_passed_over(amqp_vhost: str, mode: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     """The first node of the URL refuses (nothing listens there): the broker
-    connects through the second, and says which node it is on."""
+    connects through the second.  On plugin delays it warns that they are
+    not replicated (the shared broker has the plugin; CI enables it)."""
     split = urlsplit(amqp_vhost)
     dead, port = free_port(), split.port or 5672
     url = urlunsplit(split._replace(netloc=f"{split.netloc.rpartition('@')[0]}@"
                                            f"127.0.0.1:{dead},{split.hostname}:{port}"))
-    b = duebox.Duebox(database_url="sqlite://", broker_url=f"{url}?delay_mode=tiers").broker(
-        "test")
+    b = duebox.Duebox(database_url="sqlite://", broker_url=(
+        f"{url}?delay_mode={mode}&prefix=cl{uuid.uuid4().hex[:8]}")).broker("test")
     assert isinstance(b, AMQPBroker)
     assert [p.port for p in b.pika_nodes] == [dead, port]
-    await b.open()
+    with caplog.at_level(logging.WARNING, logger="duebox.brokers.amqp"):
+        await b.open()
     try:
         link = await b._connected()
         assert link.params.port == port
     finally:
         await b.close()
+    warned = [r for r in caplog.records if "keeps each message on the one node" in r.message]
+    assert len(warned) == (mode == "plugin")
 
 
 @pytest.fixture

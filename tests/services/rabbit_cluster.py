@@ -37,9 +37,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends import free_port
+
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
-QUEUES = "/usr/lib/rabbitmq/bin/rabbitmq-queues"
 # One scheduler and few async threads per node: three nodes share 2 cores
 # with other test runs.  The default allocator arguments stay.
 ERL_ARGS = "+S 1:1 +SDcpu 1:1 +SDio 2 +A 4"
@@ -48,12 +49,6 @@ START_TIMEOUT = 90.0
 
 def available() -> bool:
     return os.path.exists(SERVER) and os.path.exists(CTL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -229,7 +224,7 @@ def rabbit_cluster(size: int = 3) -> Iterator[Cluster]:
         (folder / "enabled_plugins").write_text("[].\n")
         (folder / "ctl-env.conf").write_text("")
         ports: set[int] = set()
-        while len(ports) < 2 * size:  # the kernel may hand the same one out twice
+        while len(ports) < 2 * size:  # free now: the same one may come twice
             ports.add(free_port())
         spare = sorted(ports)
         for i in range(size):
