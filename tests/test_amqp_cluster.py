@@ -17,33 +17,20 @@ cluster confirmed and then lost with its node would leave its job
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import statistics
-import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from backends import free_port
+from cluster_failover import describe, failover
 from conftest import IN_CI, reset_tables
-from helpers import (
-    Running,
-    all_final,
-    check_no_early_start,
-    effect_rows,
-    make_app,
-    schedule_committed,
-    states,
-    us,
-)
+from helpers import check_no_early_start, effect_rows, make_app, states
 from services.rabbit_cluster import Cluster, available, rabbit_cluster
 
 import duebox
 from duebox.brokers.amqp import AMQPBroker
-from duebox.clock import utcnow
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -89,54 +76,18 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def leader_node(cluster: Cluster) -> str:
-    """The node most of duebox's queue leaders are on (all of them, when
-    the relay declared them: RabbitMQ places a new quorum queue's leader on
-    the declaring client's node)."""
-    leaders = [n for q, n in cluster.leaders("/").items() if q.startswith("duebox.")]
-    assert leaders, "duebox declared no queue on the cluster"
-    return max(set(leaders), key=leaders.count)
-
-
 @pytest.mark.postgres
 async def test_killing_the_leaders_node_loses_no_job(pg_server_url: str,
                                                      cluster: Cluster) -> None:
     reset_tables(pg_server_url)
     app = make_app(pg_server_url, cluster.url(query=QUERY), lease_seconds=30.0)
-    # near_window=0: every job goes into the tiers at once (not held by the
-    # relay for its last 15 s), so all of them wait in the cluster.
-    async with Running(app, relays=1, workers=1, concurrency=8,
-                       relay_kw={"near_window": 0}) as r:
-        # One job through first: the relay and the worker have declared the
-        # topology, so every queue leader is where it will be at the kill.
-        first = schedule_committed(app)
-        await r.wait(lambda: all_final(app.engine, [first]), timeout=60,
-                     what="a first job through the cluster")
-        victim = cluster.node(await asyncio.to_thread(leader_node, cluster))
-        start = utcnow()
-        ids = [schedule_committed(app, at=start + timedelta(
-            seconds=FIRST_DUE + SPREAD * i / JOBS)) for i in range(JOBS)]
-        await r.wait(lambda: states(app.engine).get("ENQUEUED", 0) == JOBS, timeout=30,
-                     what="every job published into the cluster's tiers")
-        killed_at = utcnow()
-        await asyncio.to_thread(cluster.kill, victim)
-        t0 = time.monotonic()
-        await r.wait(lambda: all_final(app.engine, ids), timeout=60,
-                     what="every job run after the node died (none republished: "
-                          "redeliver_after is 900 s)")
-        print(f"\nkilled {victim.name} {(killed_at - start).total_seconds():.1f} s after "
-              f"scheduling; all {JOBS} jobs done {time.monotonic() - t0:.1f} s later")
-    ids.append(first)
+    run = await failover(app, cluster, jobs=JOBS, first_due=FIRST_DUE, spread=SPREAD,
+                         wait=60)
+    print(f"\nkilled {run.victim} {(run.killed_at - run.start).total_seconds():.1f} s after "
+          f"scheduling; all {JOBS} jobs done {run.done_after:.1f} s later")
     rows = effect_rows(app.engine)
-    assert sorted(rows) == sorted(map(str, ids))  # each ran, once in effect
+    assert sorted(rows) == sorted(map(str, [run.first, *run.ids]))  # each ran, once in effect
     check_no_early_start(app.engine)
     assert states(app.engine) == {"SUCCEEDED": JOBS + 1}
-    killed_us = us(killed_at)
-    batch = [e for e in rows.values() if e.job_id != str(first)]
-    for what, chosen in (("all", batch),
-                         ("due within 5 s of the kill",
-                          [e for e in batch if e.due_us < killed_us + 5_000_000])):
-        ms = sorted((e.started_us - e.due_us) / 1000 for e in chosen)
-        q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
-        print(f"lateness, {what} ({len(ms)} jobs): p50 {q[49]:.0f} ms, p99 {q[98]:.0f} ms, "
-              f"max {ms[-1]:.0f} ms")
+    for what, ms in run.lateness(app):
+        print(f"lateness, {what}: {describe(ms)}")

@@ -208,7 +208,8 @@ def _await_listening(node: Node, deadline: float) -> None:
 
 
 @contextlib.contextmanager
-def rabbit_cluster(size: int = 3) -> Iterator[Cluster]:
+def rabbit_cluster(size: int = 3, plugins: tuple[str, ...] = ()) -> Iterator[Cluster]:
+    """``plugins``: enabled on every node (none by default)."""
     # In memory where the machine has a tmpfs: the test kills processes, not
     # the machine, so what a node wrote survives its kill -9 either way,
     # and a quorum queue's fsyncs cost nothing there (three nodes writing
@@ -221,7 +222,7 @@ def rabbit_cluster(size: int = 3) -> Iterator[Cluster]:
         cookie = folder / ".erlang.cookie"
         cookie.write_text(uuid.uuid4().hex.upper())
         cookie.chmod(0o600)
-        (folder / "enabled_plugins").write_text("[].\n")
+        (folder / "enabled_plugins").write_text(f"[{','.join(plugins)}].\n")
         (folder / "ctl-env.conf").write_text("")
         ports: set[int] = set()
         while len(ports) < 2 * size:  # free now: the same one may come twice
