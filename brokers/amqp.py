@@ -16,6 +16,10 @@ lost connection is re-established by both sides, and unacked messages are
 redelivered by the broker and dropped by the worker's version check and
 dedupe.
 
+A cluster: ``amqp://u:p@h1:5672,h2:5672,h3:5672/vhost`` names every node
+(brokers/amqp_hosts.py); a connection goes to the first that accepts, and a
+new one after a loss starts at the next node.
+
 URL parameters besides pika's own (``heartbeat``, ``ssl_options``, ...):
 ``prefix`` (names, default ``duebox``), ``delay_mode`` (``auto``),
 ``queue_type`` (``classic``), ``confirm_timeout`` (seconds, 30) and
@@ -120,7 +124,13 @@ class AMQPBroker(PublishingBroker):
         self.topology = self.settings.topology
         self.mode = self.settings.delay_mode
         self.confirm_timeout = self.settings.confirm_timeout
-        self.pika_params = pika_parameters(url, context.worker_name, OWN_PARAMS)
+        # One per node the URL names (brokers/amqp_hosts.py); pika_params is
+        # the first (the vhost, credentials and options are the same in all).
+        self.pika_nodes = pika_parameters(url, context.worker_name, OWN_PARAMS)
+        self.pika_params = self.pika_nodes[0]
+        # The node of the last connection: a new one starts at the next, so
+        # a client whose node died goes to a survivor at the first try.
+        self._last_node = -1
         self.plugin: bool | None = self.settings.plugin
         self._why = f"delay_mode={self.mode}"  # why this mode: the connected line says it
         self._lock = asyncio.Lock()
@@ -170,7 +180,9 @@ class AMQPBroker(PublishingBroker):
             self._declared.clear()
             if self.plugin is None:
                 self.plugin = await self._detect_plugin()
-            link = await Link.connect(self.pika_params)
+            link = await Link.connect_any(self._nodes_in_turn())
+            self._last_node = next(i for i, p in enumerate(self.pika_nodes)
+                                   if p is link.params)
             try:
                 admin = await link.channel()
                 t = self.topology
@@ -184,10 +196,21 @@ class AMQPBroker(PublishingBroker):
                 raise BrokerError(f"declaring the RabbitMQ topology failed: {exc}{hint}") from exc
             self._link, self._admin = link, admin
             log.info("connected to RabbitMQ %s:%s vhost %r: %s delays (%s)",
-                     self.pika_params.host, self.pika_params.port,
-                     self.pika_params.virtual_host, "plugin" if self.plugin else "tier",
-                     self._why)
+                     link.params.host, link.params.port, link.params.virtual_host,
+                     "plugin" if self.plugin else "tier", self._why)
+            if self.plugin and len(self.pika_nodes) > 1:
+                self._log.warning("plugin-cluster", "the URL names %d RabbitMQ nodes but "
+                                  "delays use the delayed-message plugin, which keeps each "
+                                  "message on the one node that took it: a lost node loses "
+                                  "them (the job table republishes them after "
+                                  "redeliver_after); delay_mode=tiers with queue_type=quorum "
+                                  "replicates them (docs/brokers.md)", len(self.pika_nodes))
             return link
+
+    def _nodes_in_turn(self) -> list[Any]:
+        """Every node, starting after the one connected to last."""
+        start = (self._last_node + 1) % len(self.pika_nodes)
+        return self.pika_nodes[start:] + self.pika_nodes[:start]
 
     async def _detect_plugin(self) -> bool:
         """Declare the delayed exchange on a throwaway connection: RabbitMQ
@@ -196,7 +219,7 @@ class AMQPBroker(PublishingBroker):
         the connected line says which mode is in use and why."""
         ops = self.topology.plugin_ops()
         types = [op.type for op in ops if isinstance(op, ExchangeDecl)]
-        probe = await Link.connect(self.pika_params)
+        probe = await Link.connect_any(self._nodes_in_turn())
         with pika_logs_without("unknown exchange type", types[0]):
             try:
                 chan = await probe.channel()

@@ -31,6 +31,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("pika", "rabbitmq") from exc
 
+from .amqp_hosts import node_urls
 from .amqp_pack import HEADER_PACK
 from .amqp_topology import ExchangeBind, ExchangeDecl, Op, QueueBind, QueueDecl, Route
 
@@ -103,8 +104,13 @@ def pack_properties(messages: Sequence[JobMessage], route: Route) -> Any:
     )
 
 
-def pika_parameters(url: str, worker_name: str, own_params: frozenset[str]) -> Any:
-    """pika's parameters from the URL without duebox's own query parameters."""
+def pika_parameters(url: str, worker_name: str, own_params: frozenset[str]) -> list[Any]:
+    """pika's parameters for each node the URL names (brokers/amqp_hosts.py),
+    without duebox's own query parameters."""
+    return [_node_parameters(u, worker_name, own_params) for u in node_urls(url)]
+
+
+def _node_parameters(url: str, worker_name: str, own_params: frozenset[str]) -> Any:
     split = urlsplit(url)
     if split.username is not None and split.password is None:
         # pika raises a bare TypeError on such a URL.
@@ -165,11 +171,29 @@ class Connection(AsyncioConnection):  # type: ignore[misc]
 
 
 class Link:
-    """One pika ``AsyncioConnection``."""
+    """One pika ``AsyncioConnection``; ``params``: the node's it went to."""
 
-    def __init__(self, conn: Any, closed: asyncio.Future[Any]) -> None:
+    def __init__(self, conn: Any, closed: asyncio.Future[Any], params: Any) -> None:
         self.conn = conn
         self.closed = closed
+        self.params = params
+
+    @classmethod
+    async def connect_any(cls, nodes: Sequence[Any]) -> Link:
+        """A connection to the first of ``nodes`` that accepts one.  A node
+        that is down answers a connect at once (refused), so a cluster's
+        survivors are reached without delay; one that does not answer costs
+        CONNECT_TIMEOUT before the next is tried."""
+        if len(nodes) == 1:
+            return await cls.connect(nodes[0])
+        failures: list[str] = []
+        for params in nodes:
+            try:
+                return await cls.connect(params)
+            except BrokerError as exc:
+                failures.append(str(exc).removeprefix("cannot connect to RabbitMQ at "))
+        raise BrokerError(f"cannot connect to any of {len(failures)} RabbitMQ nodes: "
+                          + "; ".join(failures))
 
     @classmethod
     async def connect(cls, params: Any) -> Link:
@@ -204,7 +228,7 @@ class Link:
                 conn.close()
             raise BrokerError(f"cannot connect to RabbitMQ at {params.host}:{params.port}: "
                               "timed out") from None
-        return cls(conn, closed)
+        return cls(conn, closed, params)
 
     @property
     def is_open(self) -> bool:

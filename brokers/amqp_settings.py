@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from duebox.errors import ConfigurationError
 
 from ._common import number
+from .amqp_hosts import node_urls
 from .amqp_pack import DEFAULT_PACK, MAX_PACK_JOBS
 from .amqp_topology import MODES, Topology
 from .base import parse_params
@@ -36,6 +37,7 @@ class AMQPSettings:
 
     @classmethod
     def from_url(cls, url: str) -> AMQPSettings:
+        node_urls(url)  # the nodes' list, checked
         params = parse_params(url)
         topology = topology_of(params)
         mode = params.get("delay_mode", "auto")
