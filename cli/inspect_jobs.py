@@ -49,9 +49,9 @@ def _traceback(m: Masked, text: str | None, indent: str) -> list[str]:
 
 
 def render_job(app: Duebox, detail: JobDetail, now: datetime,
-               with_payload: bool = False) -> str:
+               show_unregistered: bool = False) -> str:
     row = detail.job
-    m = masked(app, row.task, row.payload)
+    m = masked(app, row.task, row.payload, show_unregistered=show_unregistered)
     lines = [
         f"job {row.id}",
         f"  task {shown(row.task)}  queue {shown(row.queue)}  state {row.state}  "
@@ -63,11 +63,10 @@ def render_job(app: Duebox, detail: JobDetail, now: datetime,
     if row.tenant:
         lines.append(f"  tenant {shown(row.tenant)}  priority {row.priority}")
     lines.append(f"  now: {shown(where_now(row, locator(app), now))}")
-    if with_payload:
-        payload = (f"({m.note})" if m.hidden
-                   else json.dumps(m.payload, sort_keys=True)[:2000])
-        lines.append(f"  payload {shown(payload)}")
-    if m.note:
+    payload = (f"({m.note})" if m.hidden
+               else json.dumps(m.payload, sort_keys=True)[:2000])
+    lines.append(f"  payload {shown(payload)}")
+    if m.note and not m.hidden:  # a hidden payload's line says why already
         lines.append(f"  ({m.note})")
     lines.append("timeline")
     for e in detail.timeline():
@@ -90,6 +89,9 @@ def render_job(app: Duebox, detail: JobDetail, now: datetime,
     return "\n".join(lines)
 
 
-def show_job(app: Duebox, ref: str, now: datetime, with_payload: bool = False) -> str:
-    """``jobs show`` / ``dlq show``: the job ``ref`` names (id, key or id prefix)."""
-    return render_job(app, load_job(app.engine, find_job(app.engine, ref)), now, with_payload)
+def show_job(app: Duebox, ref: str, now: datetime, show_unregistered: bool = False) -> str:
+    """``jobs show`` / ``dlq show``: the job ``ref`` names (id, key or id
+    prefix), its payload masked; a task this app does not register has its
+    payload hidden unless ``show_unregistered``."""
+    return render_job(app, load_job(app.engine, find_job(app.engine, ref)), now,
+                      show_unregistered)

@@ -26,7 +26,15 @@ from duebox.values import MAX_SPAN
 from .dashboard_cmd import dashboard
 from .dlq_cmd import dlq_group
 from .loading import load_app
-from .options import TEXT, F, FiniteRange, app_options, errors_as_messages, operator_options
+from .options import (
+    TEXT,
+    F,
+    FiniteRange,
+    app_options,
+    errors_as_messages,
+    operator_options,
+    unregistered_payloads_option,
+)
 from .processes import cpu_count, processes_option, run_processes
 from .routes_cmd import routes
 from .schedules_cmd import schedules
@@ -200,17 +208,19 @@ def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | 
 
 @jobs.command("show")
 @app_options
+@unregistered_payloads_option
 @click.argument("job", type=TEXT)
 def jobs_show(app_spec: str | None, database_url: str | None, broker_url: str | None,
-              job: str) -> None:
-    """A job's timeline, attempts, audit rows and where it is now.
+              show_unregistered: bool, job: str) -> None:
+    """A job's payload (masked), timeline, attempts, audit rows and where it
+    is now.
 
     JOB is its id, its business key, or the start of its id as `jobs list`
     prints it."""
     from .inspect_jobs import show_job
 
     app = load_app(app_spec, database_url, broker_url)
-    click.echo(show_job(app, job, app.clock.now()))
+    click.echo(show_job(app, job, app.clock.now(), show_unregistered))
 
 
 @jobs.command("cancel")

@@ -106,3 +106,12 @@ class FiniteRange(click.FloatRange):
             self.fail(f"{number!r} is not a finite number{' ' + rule if rule else ''}",
                       param, ctx)
         return number
+
+
+def unregistered_payloads_option(fn: F) -> F:
+    """--show-unregistered-payloads for the commands that show one job: the
+    option the masking note (duebox.masking) names."""
+    return click.option(
+        "--show-unregistered-payloads", "show_unregistered", is_flag=True,
+        help="Show the payload of a task the app does not register (its mask hook is "
+             "unknown, so it is hidden by default); the app's secret keys still apply.")(fn)

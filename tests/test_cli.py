@@ -50,6 +50,31 @@ def test_jobs_show_prints_timeline_and_where_it_is(runner: CliRunner, database_u
     assert str(job_id) in listed.output
 
 
+def test_jobs_show_prints_the_payload_masked_and_its_hint_names_a_real_option(
+        runner: CliRunner, database_url: str) -> None:
+    """`jobs show` printed no payload, and without --app told people to pass
+    --show-unregistered-payloads, which it did not have (#33 item 8)."""
+    app = cli_app.app
+    with Session(app.engine) as session, session.begin():
+        job_id = app.schedule(session, "cli.noop", {"user": "bob", "password": "hunter2"},
+                              delay=3600)
+    app.dispose()
+    known = runner.invoke(cli, ["jobs", "show", str(job_id), "--app", "tests.apps.cli_app:app"])
+    assert known.exit_code == 0, known.output
+    assert '  payload {"password": "****", "user": "bob"}' in known.output, known.output
+    unknown = runner.invoke(cli, ["jobs", "show", str(job_id)])
+    assert unknown.exit_code == 0, unknown.output
+    assert "hunter2" not in unknown.output
+    assert "bob" not in unknown.output
+    [hint] = [line for line in unknown.output.splitlines() if "payload" in line]
+    assert "--show-unregistered-payloads" in hint, unknown.output
+    for command in (["jobs", "show"], ["dlq", "show"]):
+        asked = runner.invoke(cli, [*command, str(job_id), "--show-unregistered-payloads"])
+        assert asked.exit_code == 0, asked.output
+        # Shown, and the app's secret keys still apply.
+        assert '  payload {"password": "****", "user": "bob"}' in asked.output, asked.output
+
+
 def test_jobs_cancel_requires_operator_and_reason_and_writes_audit(
     runner: CliRunner, database_url: str
 ) -> None:
