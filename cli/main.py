@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from duebox import Duebox, DueboxError, migrate
 from duebox.credentials import redacted
 from duebox.ids import parse_job_id
+from duebox.inspect_status import DUE_WITHIN
 from duebox.states import JobState
 from duebox.values import MAX_SPAN
 
@@ -249,11 +250,14 @@ def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str 
               help="Start lateness over jobs started in the last WINDOW seconds.")
 @click.option("--max-due-age", type=FiniteRange(0, MAX_SPAN.total_seconds()), default=60.0,
               help="An oldest due job older than this is a problem.")
+@click.option("--due-within", type=FiniteRange(0, MAX_SPAN.total_seconds()), default=DUE_WITHIN,
+              help="A missing relay or worker is a problem when a job is in flight or due "
+                   "within this many seconds; with work due only later, a warning.")
 @click.option("--degraded-ok", is_flag=True,
               help="Exit 0 when degraded (warnings only), e.g. for a liveness probe.")
 def status(app_spec: str | None, database_url: str | None, broker_url: str | None,
            as_json: bool, watch: float | None, iterations: int | None, window: float,
-           max_due_age: float, degraded_ok: bool) -> None:
+           max_due_age: float, due_within: float, degraded_ok: bool) -> None:
     """Is it healthy? Backlog, in flight, DLQ, lateness and live processes.
 
     Exit status (for probes and cron alerts): 0 healthy, 3 degraded (warnings
@@ -269,7 +273,8 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
     shown = 0
     while True:
         report = build_report(app.engine, app.clock.now(), window=window,
-                              max_due_age=max_due_age, own_queues=app.settings.own_queues)
+                              max_due_age=max_due_age, own_queues=app.settings.own_queues,
+                              due_within=due_within)
         if watch is not None and not as_json:
             click.clear()
         click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True) if as_json

@@ -109,6 +109,26 @@ def test_status_json_counts_due_backlog(runner: CliRunner, database_url: str) ->
     assert report["queues"]["default"]["due_backlog"] == 1
 
 
+def test_status_counts_only_work_due_soon_against_missing_processes(
+        runner: CliRunner, database_url: str) -> None:
+    """No relay and the only job due in an hour: degraded (3), not unhealthy
+    (4), since a relay started meanwhile takes it in time (#33 item 9);
+    --due-within says how far ahead a job counts."""
+    _schedule(database_url, delay=3600)
+    later = runner.invoke(cli, ["status", "--json"])
+    assert later.exit_code == 3, later.output
+    report = json.loads(later.output)
+    assert report["problems"] == []
+    assert "no live worker" in report["warnings"]
+    assert any(w.startswith("no live relay") for w in report["warnings"])
+    ahead = runner.invoke(cli, ["status", "--json", "--due-within", "7200"])
+    assert ahead.exit_code == 4, ahead.output
+    assert "no live worker" in json.loads(ahead.output)["problems"]
+    bad = runner.invoke(cli, ["status", "--due-within", "-1"])
+    assert bad.exit_code == 2
+    assert "--due-within" in bad.output
+
+
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [
