@@ -9,7 +9,6 @@ follow click's ``DUEBOX_<COMMAND>_<OPTION>`` rule, e.g.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import sys
@@ -80,7 +79,7 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
     """Claim due jobs and hand them to the broker."""
     from duebox.relay import Relay
 
-    from .running import database_ready, run_until_signalled, serve_metrics
+    from .running import brokers_accept, database_ready, run_until_signalled, serve_metrics
 
     app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     app.configure(batch_size=batch_size, poll_interval=poll_interval)
@@ -89,6 +88,8 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
 
     async def main(stop: asyncio.Event) -> None:
         if await database_ready(app, "relay", stop):
+            # A refused login ends the command with one line, before "started".
+            await brokers_accept([p.broker for p in r.pipelines], stop)
             await r.run(stop)
 
     run_until_signalled(main)
@@ -116,7 +117,7 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     (docs/worker.md, "How many worker processes")."""
     from duebox.consumers import Worker
 
-    from .running import database_ready, run_until_signalled, serve_metrics
+    from .running import brokers_accept, database_ready, run_until_signalled, serve_metrics
 
     app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     if not app.tasks:
@@ -125,9 +126,15 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
                group_commit=group_commit)  # one line when it starts, one when it stops
     count = processes or cpu_count()
     if count > 1:
-        # The app, its tables and the options are checked here, once; each
-        # child builds its own worker from them.
-        if not run_until_signalled(functools.partial(database_ready, app, "worker")):
+        # The app, its tables, the broker's login and the options are checked
+        # here, once; each child builds its own worker from them.
+        async def ready(stop: asyncio.Event) -> bool:
+            if not await database_ready(app, "worker", stop):
+                return False
+            await brokers_accept([w.broker], stop)
+            return not stop.is_set()
+
+        if not run_until_signalled(ready):
             return
         app.dispose()
         options = {**click.get_current_context().find_root().params, "app_spec": app_spec,
