@@ -53,7 +53,7 @@ from .amqp_link import (
 )
 from .amqp_pack import HEADER_PACK
 from .amqp_settings import OWN_PARAMS, AMQPSettings, topology_of
-from .amqp_tiers import MAX_DELAY_MS
+from .amqp_tiers import MAX_DELAY_MS, longest_ms
 from .amqp_topology import ExchangeDecl, check_queue_name, delay_ms
 from .base import (
     HANDOVER_LEAD_SECONDS,
@@ -124,7 +124,7 @@ class AMQPBroker(PublishingBroker):
         tiers = self.topology.tiers
         self.capabilities = replace(type(self).capabilities,
                                     delay_precision=tiers.precision_ms / 1000,
-                                    max_delay=tiers.ceiling_ms / 1000)
+                                    max_delay=longest_ms(tiers.precision_ms) / 1000)
         if self.max_delay is not None:  # ?max_delay=, within the tiers' whole units
             self.max_delay = min(self.max_delay, tiers.ceiling_ms / 1000)
         self.mode = self.settings.delay_mode

@@ -15,7 +15,15 @@ from duebox.errors import ConfigurationError
 
 from ._common import number
 from .amqp_pack import DEFAULT_PACK, MAX_PACK_JOBS
-from .amqp_tiers import DEFAULT_RADIX, MAX_DELAY_MS, MAX_PRECISION_MS, RADIXES, Tiers, precision_ms
+from .amqp_tiers import (
+    DEFAULT_RADIX,
+    MAX_DELAY_MS,
+    MAX_PRECISION_MS,
+    RADIXES,
+    Tiers,
+    longest_ms,
+    precision_ms,
+)
 from .amqp_topology import MODES, Topology
 from .base import parse_params
 
@@ -71,9 +79,7 @@ def tiers_of(params: dict[str, str]) -> Tiers:
     unit = number(params, "tier_precision", 0.001, low=0.001, high=MAX_PRECISION_MS / 1000,
                   seconds=True)
     unit_ms = precision_ms(unit)
-    # A whole number of units: the relay rounds a delay up to a unit, and no
-    # tier queue's TTL may pass RabbitMQ's 2**32 - 1 ms.
-    most = MAX_DELAY_MS // unit_ms * unit_ms
+    most = longest_ms(unit_ms)
     ceiling = number(params, "max_delay", most / 1000, low=0.0, high=MAX_DELAY_MS / 1000,
                      seconds=True)
     return Tiers(radix=radix, precision_ms=unit_ms,

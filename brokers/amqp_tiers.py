@@ -118,6 +118,13 @@ class Tiers:
         return "its last tier"
 
 
+def longest_ms(precision_ms: int) -> int:
+    """The longest delay these tiers take: whole units within RabbitMQ's
+    2**32 - 1 ms (the relay rounds a delay up to a unit, and no tier queue's
+    TTL may pass it)."""
+    return MAX_DELAY_MS // precision_ms * precision_ms
+
+
 def precision_ms(seconds: float) -> int:
     """``?tier_precision=`` seconds as whole milliseconds; a fraction of a
     millisecond is refused rather than rounded (it could only be rounded
