@@ -124,6 +124,8 @@ class RedisBroker(PublishingBroker):
         # script call per queue (a round trip per ack cost a quarter of a
         # busy worker's CPU).
         self._acks: dict[str, Batched[tuple[str, str], None]] = {}
+        # Deliveries a stopping worker gives back (release), on their way.
+        self._releasing: set[asyncio.Task[bool]] = set()
         self._log = CollapsedLog(log)
 
     @classmethod
@@ -171,6 +173,8 @@ class RedisBroker(PublishingBroker):
                             text(policy))
 
     async def close(self) -> None:
+        if self._releasing:
+            await asyncio.wait(set(self._releasing))
         for acks in self._acks.values():  # those still lingering go out first
             await acks.flush()
         client, self._client = self._client, None
@@ -323,6 +327,7 @@ class RedisBroker(PublishingBroker):
         ready = False
         next_reclaim = next_prune = 0.0
         backoff = 0.1
+        batch: list[Delivery] = []
         try:
             while True:
                 reraise_lost_cancel()
@@ -339,7 +344,6 @@ class RedisBroker(PublishingBroker):
                     if not ready:
                         await self._ensure_groups(client, names)
                         ready = True
-                    batch: list[Delivery] = []
                     if time.monotonic() >= next_reclaim:
                         next_reclaim = time.monotonic() + self.settings.claim_idle / 2
                         batch = await self._reclaim(client, names, room)
@@ -364,9 +368,12 @@ class RedisBroker(PublishingBroker):
                     backoff = min(backoff * 2, 5.0)
                     continue
                 reraise_lost_cancel()
-                for delivery in batch:
-                    yield delivery
+                batch.reverse()
+                while batch:  # what is left if the worker stops: given back below
+                    yield batch.pop()
         finally:
+            for unread in batch:  # read, never handed to the worker
+                self.release(unread)
             stop.set()
             mover.cancel()
             await asyncio.wait({mover}, timeout=2.0)
@@ -520,6 +527,14 @@ class RedisBroker(PublishingBroker):
             await self.defer(delivery, 1.0)
         else:
             await self.ack(delivery)
+
+    def release(self, delivery: Delivery) -> None:
+        """A stopping worker will never handle it: parked again as due now
+        (as hand_back), for another consumer's mover to put back on the
+        stream at once — not left pending until ``claim_idle`` passes."""
+        task = asyncio.get_running_loop().create_task(self.defer(delivery, 0.0))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def hand_back(self, delivery: Delivery) -> bool:
         """Another consumer should have it: parked again with a due time of

@@ -133,6 +133,9 @@ class Item:
     leased: datetime | None = None
     # Handed over before its due time: held to it in the executor thread.
     early: bool = False
+    # LEASED: a broker's delivery (not a sql:// claim), whose message goes
+    # back to the broker with it if it is given back (Runner._give_back).
+    message_back: bool = False
     started: datetime | None = None
     # Its handler was called in a batch's transaction (which may be lost).
     ran: bool = False

@@ -198,17 +198,20 @@ class Runner:
     # --- the usual path: started jobs ---------------------------------------------------
 
     async def run_leased(self, task: Task, rec: jobstore.JobRecord,
-                         leased: datetime | None = None, *, early: bool = False
-                         ) -> tuple[Outcome, datetime]:
+                         leased: datetime | None = None, *, early: bool = False,
+                         message_back: bool = False) -> tuple[Outcome, datetime]:
         """Run one started job; its outcome and when its handler started.
         ``leased``: when the job was last known to be this worker's.  Run
         alone after waiting longer than ``_REREAD_AFTER`` since, it is read
         again first (a cancel may have landed); in a batch the lock does
         that.  ``early``: handed over before its due time (a sync handler on
         a clock that follows real time): read again and held to the due time
-        in the executor thread, whether alone or in a batch."""
+        in the executor thread, whether alone or in a batch.
+        ``message_back``: a broker's delivery, whose message the caller
+        hands back if the job is given back (outcome ``handed_back``)."""
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        item = Item(task, rec, Kind.LEASED, future=future, leased=leased, early=early)
+        item = Item(task, rec, Kind.LEASED, future=future, leased=leased, early=early,
+                    message_back=message_back)
         if not self._leased and self._busy() < self.concurrency:
             # A thread is free and nobody waits: run it in the caller's task
             # rather than one of its own.
@@ -578,9 +581,13 @@ class Runner:
         self.outcomes.let_go(1)
 
     async def _give_back(self, items: list[Item]) -> None:
-        records = [i.rec for i in items if i.rec is not None]
+        # A job whose message goes back to its broker too (Worker.handle) is
+        # ENQUEUED, not SCHEDULED: a relay would publish it a second time.
+        back = self._hands_back
+        by_message = [i.rec for i in items if i.rec is not None and i.message_back and back]
+        by_relay = [i.rec for i in items if i.rec is not None and not (i.message_back and back)]
         try:
-            await self.pools.db(self._unclaim, records)
+            await self.pools.db(self._unclaim, by_relay, by_message)
         except Exception as exc:  # they wait here for a thread instead
             self._log.warning(f"give-back:{kind_of(exc)}", "could not give %d waiting jobs "
                               "back (%s: %s); they run here", len(items), type(exc).__name__, exc)
@@ -591,9 +598,12 @@ class Runner:
             _settle(item, Outcome(RunStatus.HANDED_BACK))
         self.outcomes.count_handed_back(len(items))
 
-    def _unclaim(self, records: list[jobstore.JobRecord]) -> None:
+    def _unclaim(self, by_relay: list[jobstore.JobRecord],
+                 by_message: list[jobstore.JobRecord]) -> None:
+        now = self.app.clock.now()
         with db_errors("give back"), self.app.engine.begin() as conn:
-            jobstore.unclaim_run(conn, records=records, now=self.app.clock.now())
+            jobstore.unclaim_run(conn, records=by_relay, now=now)
+            jobstore.unclaim_run(conn, records=by_message, now=now, message_back=True)
 
     # --- the watchdog ----------------------------------------------------------------------
 

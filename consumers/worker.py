@@ -26,7 +26,7 @@ import logging
 import random
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -241,21 +241,24 @@ class Worker:
         backoff = 0.1
         while True:
             try:
-                async for delivery in self.broker.consume(self.queues, self.prefetch,
-                                                            wanted=self.wanted):
-                    try:
-                        if not await self._room_for(delivery):
-                            continue  # handed to another worker
-                    except asyncio.CancelledError:  # stopping: never handled here
-                        self.broker.release(delivery)
-                        raise
-                    self._in_hand += 1
-                    self._log.flush()  # counts of errors that stopped a while ago
-                    if self.runner.take(delivery, self.app.clock.now()):
-                        continue
-                    turn = None if delivery.message is None else self._turns.take(
-                        "" if self.concurrency == 1 else delivery.message.ordering_key())
-                    self._spawn(delivery, turn)
+                # Closed here, not when collected: a backend gives back what
+                # it read and never handed on before the broker closes.
+                async with _closing(self.broker.consume(
+                        self.queues, self.prefetch, wanted=self.wanted)) as deliveries:
+                    async for delivery in deliveries:
+                        try:
+                            if not await self._room_for(delivery):
+                                continue  # handed to another worker
+                        except asyncio.CancelledError:  # stopping: never handled here
+                            self.broker.release(delivery)
+                            raise
+                        self._in_hand += 1
+                        self._log.flush()  # counts of errors that stopped a while ago
+                        if self.runner.take(delivery, self.app.clock.now()):
+                            continue
+                        turn = None if delivery.message is None else self._turns.take(
+                            "" if self.concurrency == 1 else delivery.message.ordering_key())
+                        self._spawn(delivery, turn)
                 backoff = 0.1
             except ConfigurationError:
                 raise
@@ -421,9 +424,19 @@ class Worker:
             # Handed over before this task next yields (Runner.run_leased
             # queues it at once): the next of its key cannot overtake it.
             turn.pass_on()
-        status = await self._execute(task, rec, obtained, in_thread)
-        if status is RunStatus.HANDED_BACK and await self.runner.hand_back(delivery):
-            return  # its job given back too: another worker starts it
+        # A broker's message goes back with its job if the job is given back
+        # (a sql:// claim is the job's row itself).
+        by_broker = delivery.claimed is None
+        status = await self._execute(task, rec, obtained, in_thread, message_back=by_broker)
+        if status is RunStatus.HANDED_BACK:
+            if await self.runner.hand_back(delivery):
+                return  # with its job: another worker starts it
+            if by_broker:  # the broker kept it after all: a relay publishes the job again
+                try:
+                    await self.pools.db(self._requeue, rec)
+                except DatabaseError as exc:
+                    self._log.warning(f"requeue:{kind_of(exc)}", "could not return job %s to "
+                                      "the relay (%s); recovery publishes it again", rec.id, exc)
         await self.broker.ack(delivery)
 
     async def _early(self, delivery: Delivery, msg: JobMessage) -> float | None:
@@ -483,15 +496,20 @@ class Worker:
         with db_errors("give back"), self.app.engine.begin() as conn:
             jobstore.unclaim_run(conn, records=records, now=self.app.clock.now())
 
+    def _requeue(self, rec: jobstore.JobRecord) -> None:
+        with db_errors("requeue"), self.app.engine.begin() as conn:
+            jobstore.requeue_handed_back(conn, rec=rec, now=self.app.clock.now())
+
     def _expire(self, rec: jobstore.JobRecord) -> None:
         with self.app.engine.begin() as conn:
             dispatched.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
                             now=self.app.clock.now())
 
-    async def _execute(self, task: Task, rec: jobstore.JobRecord,
-                       leased: datetime | None, in_thread: bool = False) -> RunStatus:
+    async def _execute(self, task: Task, rec: jobstore.JobRecord, leased: datetime | None,
+                       in_thread: bool = False, message_back: bool = False) -> RunStatus:
         with tracing.attempt_span(rec.task, rec.queue, rec.id, rec.attempt, rec.headers) as span:
-            outcome, started = await self.runner.run_leased(task, rec, leased, early=in_thread)
+            outcome, started = await self.runner.run_leased(task, rec, leased, early=in_thread,
+                                                            message_back=message_back)
             tracing.outcome(span, outcome.status, None if outcome.failure_class is None
                             else str(outcome.failure_class))
         self._account(rec, outcome, started)
@@ -604,6 +622,18 @@ class Worker:
                 m.retried.labels(b, q).inc()
             elif outcome.status is RunStatus.DEAD:
                 m.dead.labels(b, q, cls).inc()
+
+
+@contextlib.asynccontextmanager
+async def _closing(stream: AsyncIterator[Delivery]) -> AsyncGenerator[AsyncIterator[Delivery]]:
+    """``stream``, closed on the way out if it can be (a backend's consume
+    is an async generator whose ``finally`` gives back what it holds)."""
+    try:
+        yield stream
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def _available(rec: jobstore.JobRecord) -> datetime:

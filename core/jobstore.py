@@ -45,25 +45,48 @@ from .states import LEASED_STATES, STARTABLE_STATES, Discard, JobState, LeaseVer
 from .tables import attempt, job
 
 
-def unclaim_run(conn: Connection, *, records: Sequence[JobRecord], now: datetime) -> int:
+def unclaim_run(conn: Connection, *, records: Sequence[JobRecord], now: datetime,
+                message_back: bool = False) -> int:
     """Give back jobs a worker claimed or started and never ran (it is
-    stopping, or every thread of it runs a long handler): RUNNING →
-    SCHEDULED as if never claimed, fenced by the lease; their unopened
-    attempts are removed.  On PostgreSQL a NOTIFY wakes the relays and
-    ``sql://`` workers to take them at once."""
+    stopping, or every thread of it runs a long handler), fenced by the
+    lease; their unopened attempts are removed.  RUNNING → SCHEDULED as if
+    never claimed, and on PostgreSQL a NOTIFY wakes the relays and
+    ``sql://`` workers to take them at once.  ``message_back``: each job's
+    message goes back to its broker too (Broker.hand_back), so RUNNING →
+    ENQUEUED, published now — a relay publishing it again as well would
+    only make a second message for a job one message already carries
+    (:func:`requeue_handed_back` if the broker refuses it after all)."""
+    if message_back:
+        back: dict[str, Any] = {"state": JobState.ENQUEUED, "published_at": now}
+    else:
+        back = {"state": JobState.SCHEDULED}
     total = 0
     for rec in records:
         moved = conn.execute(
             update(job).where(_fenced(rec)).values(
-                state=JobState.SCHEDULED, attempt=job.c.attempt - 1, lease_owner=None,
-                lease_until=None, started_at=None, updated_at=now)
+                attempt=job.c.attempt - 1, lease_owner=None, lease_until=None,
+                started_at=None, updated_at=now, **back)
         ).rowcount
         if moved and rec.attempt_id is not None:
             conn.execute(delete(attempt).where(attempt.c.id == rec.attempt_id))
         total += moved
-    if total and conn.dialect.name == "postgresql":
+    if total and not message_back and conn.dialect.name == "postgresql":
         conn.execute(select(func.pg_notify(NOTIFY_CHANNEL, "")))
     return total
+
+
+def requeue_handed_back(conn: Connection, *, rec: JobRecord, now: datetime) -> int:
+    """A job given back with ``message_back`` whose broker would not take
+    the message after all: ENQUEUED → SCHEDULED, for a relay to publish
+    again (fenced by state and version: a job that moved on is left)."""
+    moved = conn.execute(
+        update(job).where(job.c.id == rec.id, job.c.version == rec.version,
+                          job.c.state == JobState.ENQUEUED, job.c.lease_owner.is_(None))
+        .values(state=JobState.SCHEDULED, updated_at=now)
+    ).rowcount
+    if moved and conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_notify(NOTIFY_CHANNEL, "")))
+    return int(moved)
 
 
 def start(
@@ -417,6 +440,7 @@ __all__ = [
     "lease_states",
     "lock_leased",
     "renew_leases",
+    "requeue_handed_back",
     "retry_stmt",
     "start",
     "start_many",

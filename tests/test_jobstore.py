@@ -273,6 +273,53 @@ def test_start_checks_version_state_due_time_and_expiry(app: duebox.Duebox) -> N
         rec.attempt_id, 1, None, 2)
 
 
+def test_a_started_job_given_back_with_its_message_is_not_published_again(
+        app: duebox.Duebox) -> None:
+    """Every thread of a worker runs a long handler: a job it started and
+    could not run goes back with its broker message (Broker.hand_back).
+    Back to SCHEDULED, a relay published it a second time: two messages for
+    one job, the later discarded by whichever worker got it (CI saw four
+    such discards in the SIGTERM test on SQS).  ENQUEUED, published now:
+    no relay claim, the message it carries starts it, and recovery waits
+    redeliver_after from the give-back."""
+    [job_id] = add(app, 10)
+    [claimed] = dispatch(app, "relay#1")
+    with app.engine.begin() as conn:
+        dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
+    msg = claimed.to_message()
+    rec, _ = start(app, msg, "w#1", now=100)
+    assert rec is not None
+    with app.engine.begin() as conn:
+        assert jobstore.unclaim_run(conn, records=[rec], now=at(100), message_back=True) == 1
+        assert jobstore.unclaim_run(conn, records=[rec], now=at(100)) == 0  # fenced
+    row = job_row(app.engine, job_id)
+    assert (row.state, row.attempt, row.lease_owner, row.published_at) == (
+        JobState.ENQUEUED, 0, None, at(100))
+    assert attempt_rows(app.engine, job_id) == []  # the unopened attempt is gone
+    assert dispatch(app, "relay#2", now=100) == []  # not published a second time
+    assert recover(app, 100 + 59, redeliver_after=60).total == 0
+    again, why = start(app, msg, "w#2", now=101)  # the message handed back starts it
+    assert why == "started"
+    assert again is not None and again.attempt == 1
+
+
+def test_a_job_whose_broker_kept_its_message_goes_back_to_the_relay(
+        app: duebox.Duebox) -> None:
+    """The broker refused the hand-back (the worker acks the message): the
+    job ENQUEUED for it is requeued for a relay, fenced by state and
+    version."""
+    [job_id] = add(app, 10)
+    [claimed] = dispatch(app, "relay#1")
+    rec, _ = start(app, claimed.to_message(), "w#1", now=100)
+    assert rec is not None
+    with app.engine.begin() as conn:
+        jobstore.unclaim_run(conn, records=[rec], now=at(100), message_back=True)
+        assert jobstore.requeue_handed_back(conn, rec=rec, now=at(100)) == 1
+        assert jobstore.requeue_handed_back(conn, rec=rec, now=at(100)) == 0
+    assert job_row(app.engine, job_id).state == JobState.SCHEDULED
+    assert [r.id for r in dispatch(app, "relay#2", now=100)] == [job_id]
+
+
 def test_claim_for_run_takes_only_due_jobs_of_the_given_queues(app: duebox.Duebox) -> None:
     a, b = add(app, 0, 5)
     with app.engine.begin() as conn:

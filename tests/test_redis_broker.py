@@ -271,6 +271,49 @@ async def test_broker_delivers_at_the_due_millisecond(keys: Keys) -> None:
     assert late[len(late) // 2] < 0.05, late
 
 
+async def test_a_stopping_consumer_gives_back_what_it_read_and_never_started(
+        keys: Keys) -> None:
+    """#36 (Low): a graceful stop left the messages a consumer had read and
+    not handed on pending in its group until ``claim_idle`` passed (32 s
+    late in the hostile round).  Closed, its consume gives them back, and
+    a release (the worker's, for one it took but will not start) too:
+    another consumer reads all of them at once, with ``claim_idle`` at 120 s."""
+    engine = sa.create_engine("sqlite://")
+
+    def broker(name: str) -> Any:
+        return broker_class("redis://")(url(keys, claim_idle=120), BrokerContext(
+            engine, SystemClock(), duebox.Settings(), name))
+
+    first, second = broker("first"), broker("second")
+    now = datetime.now(UTC)
+    ids = {uuid.uuid4() for _ in range(10)}
+    try:
+        await first.publish([Outgoing(JobMessage(i, "t", "default", 1, 0, now), 0.0)
+                             for i in ids])
+        stream = first.consume(["default"], 10)
+        taken = await anext(stream)  # the rest stay read, in its buffer
+        assert len(first._in_flight) == 10
+        await stream.aclose()
+        first.release(taken)
+        await first.close()
+
+        got: set[uuid.UUID] = set()
+
+        async def read() -> None:
+            async for d in second.consume(["default"], 10):
+                assert d.message is not None
+                got.add(d.message.job_id)
+                await second.ack(d)
+                if got == ids:
+                    return
+
+        await asyncio.wait_for(read(), 20)  # not the 120 s of claim_idle
+    finally:
+        await first.close()
+        await second.close()
+    assert got == ids
+
+
 # --- end to end (delays, ordering: in the shared contract, tests/contract/) -----------
 
 
