@@ -58,8 +58,10 @@ class CollapsedLog:
         than ``interval`` seconds ago; True if written."""
         if not self.logger.isEnabledFor(level):
             return False
-        cause = cause_in(exc_info, args)
-        if cause is not None:  # the registry's line, shared with every logger
+        # Trouble (a warning or worse) with a cause: the registry's line,
+        # shared with every logger; routine news stays this logger's.
+        cause = cause_in(exc_info, args) if level >= logging.WARNING else None
+        if cause is not None:
             return TROUBLES.report(cause, self.logger, kind.split(":")[0], level)
         write, repeats, span, first = self._windows.admit(kind, (level, msg, args))
         if not write:
