@@ -18,6 +18,13 @@ localstack/start.sh and tests/services/kafka_mock.py start): tests/backends.py.
 
 With slow jobs among fast ones, through the real ``duebox relay`` and
 ``duebox worker`` commands (issue #32): bench/recovery_mixed.py.
+
+``--backends redis_cluster``: a Redis Cluster of each run's own (3 primaries,
+3 replicas, tests/services/redis_cluster.py); the primary serving the queue
+is killed (kill -9) with the relay and the worker, and each run also prints
+how long its replica took to take over (bench/SOAK.md, "Failover")::
+
+    python bench/recovery.py --backends redis_cluster --db postgres --runs 3
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from backends import KAFKA
 from recovery_scenario import (
     BACKENDS,
+    CLUSTER,
     Outcome,
     broker_for,
+    failing_cluster,
     fresh_database,
     own_kafka_mock,
     percentile,
@@ -44,7 +53,8 @@ from recovery_scenario import (
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    help=f"of {', '.join(BACKENDS)} and {CLUSTER}")
     ap.add_argument("--db", default="postgres", choices=["sqlite", "postgres", "mariadb"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=300)
@@ -66,18 +76,25 @@ def main() -> int:
                 kafka = KAFKA
                 if backend == "kafka" and args.own_kafka_mock:
                     kafka = stack.enter_context(own_kafka_mock(Path(tmp)))
-                broker = stack.enter_context(broker_for(backend, kafka))
+                at_kill = None
+                if backend == CLUSTER:
+                    cluster = stack.enter_context(failing_cluster(Path(tmp)))
+                    broker, at_kill = cluster.url, cluster.fail
+                else:
+                    broker = stack.enter_context(broker_for(backend, kafka))
                 logs = (args.logs / f"{backend}-{i + 1}") if args.logs else Path(tmp) / "run"
                 out = run(db, broker, backend, logs, jobs=args.jobs, seed=18 + i,
-                          settings=args.settings, wait=args.wait)
+                          settings=args.settings, wait=args.wait, at_kill=at_kill)
             print(f"run {i + 1}: {out.line()}", *out.notes, flush=True)
             failed |= bool(out.double_effects or out.early or out.cancelled_ran)
             outcomes.append(out)
         pooled = [x for o in outcomes for x in o.lateness]
         held = [x for o in outcomes for x in o.lateness_held]
         unfinished = sum(o.unfinished for o in outcomes)
+        failover = (f" (failover {min(o.failover for o in outcomes):.1f}-"
+                    f"{max(o.failover for o in outcomes):.1f} s)" if backend == CLUSTER else "")
         rows.append(
-            f"| {backend} on {args.db} | {args.runs} | {percentile(pooled, 0.5):.2f} s | "
+            f"| {backend} on {args.db}{failover} | {args.runs} | {percentile(pooled, 0.5):.2f} s | "
             f"{percentile(pooled, 0.99):.2f} s | {max(pooled, default=0):.2f} s | "
             f"{max(held, default=0):.2f} s ({len(held)} jobs) | {unfinished} | "
             f"{sum(o.external_repeats for o in outcomes)} |")

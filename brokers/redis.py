@@ -28,6 +28,12 @@ restarted without persistence, ``FLUSHALL``) the relay reconciles at once.
 
 URL: ``redis://[:password@]host:port/db?prefix=duebox&horizon=3600&group=duebox
 &claim_idle=30&max_delay=...``; other query parameters go to redis-py.
+
+A Redis Cluster (``cluster=1``, or several seeds ``redis://h1:p1,h2:p2/0``)
+goes through redis-py's ``RedisCluster``: each script touches one queue's
+keys (one slot), a worker keeps one read per queue in flight (one
+``XREADGROUP`` cannot span slots), and ``data_lost`` also says so after a
+failover (brokers/redis_shards.py).  docs/brokers.md, "Redis Cluster".
 """
 
 from __future__ import annotations
@@ -69,12 +75,23 @@ from .base import (
     buffer_size,
     refused,
 )
-from .redis_mover import IDLE_WAKE, MOVE_LIMIT, Mover, reraise_lost_cancel, text
+from .redis_mover import (
+    FAILED,
+    IDLE_WAKE,
+    MOVE_LIMIT,
+    Client,
+    Mover,
+    passing,
+    reraise_lost_cancel,
+    text,
+)
+from .redis_reads import EachQueue
 from .redis_settings import Keys, RedisSettings
+from .redis_shards import ShardView, shard_view, shards_changed
 
 try:
     import redis.asyncio as aioredis
-    from redis.exceptions import RedisError, ResponseError
+    from redis.exceptions import ResponseError
 except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
     raise MissingDependencyError("redis", "redis") from exc
 
@@ -88,6 +105,12 @@ _PUBLISH_CHUNK = 1000
 _ACK_LINGER = 0.002
 _REFILL_PART = 8  # read again once this part of the prefetch is free
 _PRUNE_EVERY = 600.0  # seconds between sweeps for consumers that left long ago
+# A failing read waits at most this long before the next (seconds).  A
+# cluster's is short: a failover ends within seconds, and a worker's other
+# queues, on other shards, wait behind it.
+_BACKOFF_CAP = 5.0
+_CLUSTER_BACKOFF_CAP = 1.0
+_SHARDS_EVERY = 0.5  # seconds between two looks at a cluster's shards (data_lost)
 
 
 class RedisBroker(PublishingBroker):
@@ -115,7 +138,12 @@ class RedisBroker(PublishingBroker):
         super().__init__(url, context)
         self.consumer = context.worker_name
         self.reclaimed = 0  # deliveries taken over from idle consumers (tests, metrics)
-        self._client: aioredis.Redis | None = None
+        self._client: Client | None = None
+        # A cluster's shards as last seen: slot ranges -> (primary's node id,
+        # its replication offset); see data_lost.
+        self._shards: ShardView | None = None
+        self._shards_due = 0.0
+        self._queues_told: set[str] = set()  # queues added to PREFIX:queues (publish)
         self._scripts: dict[str, Any] = {}
         self._in_flight: dict[str, str] = {}  # stream entry id -> queue
         self._freed = asyncio.Event()
@@ -127,6 +155,10 @@ class RedisBroker(PublishingBroker):
         # Deliveries a stopping worker gives back (release), on their way.
         self._releasing: set[asyncio.Task[bool]] = set()
         self._log = CollapsedLog(log)
+        # A cluster's reads: one per queue in flight (brokers/redis_reads.py).
+        self._each = EachQueue(self.settings.group, self.consumer,
+                               lambda q: self.keys(q).ready, self._where(), self._log,
+                               self._backoff_cap())
 
     @classmethod
     def check_queue_name(cls, url: str, name: str) -> None:
@@ -140,9 +172,22 @@ class RedisBroker(PublishingBroker):
     # --- connection -----------------------------------------------------------
 
     def _where(self) -> str:
+        if self.settings.cluster:
+            return "redis cluster at " + ",".join(f"{h}:{p}" for h, p in self.settings.seeds)
         parts = urlsplit(self.settings.client_url)
         host = parts.hostname or "localhost"
         return f"redis at {host}:{parts.port or 6379}{parts.path or ''}"
+
+    def _connect(self, options: dict[str, Any]) -> Client:
+        if not self.settings.cluster:
+            return aioredis.Redis.from_url(self.settings.client_url, **options)
+        from redis.asyncio.cluster import ClusterNode
+
+        # Every host of the URL is a seed: the cluster is found through any
+        # that answers.  MOVED and ASK are followed by redis-py.
+        return aioredis.RedisCluster.from_url(
+            self.settings.client_url, **options,
+            startup_nodes=[ClusterNode(h, p) for h, p in self.settings.seeds[1:]])
 
     async def open(self) -> None:
         if self._client is not None:
@@ -154,19 +199,28 @@ class RedisBroker(PublishingBroker):
                 c if c.isalnum() or c in "-_.:#" else "_"
                 for c in f"{self.settings.prefix}:{self.consumer}")
         try:
-            client = aioredis.Redis.from_url(self.settings.client_url, **options)
-        except ValueError as exc:
+            client = self._connect(options)
+        except (ValueError, TypeError) as exc:
             raise ConfigurationError(f"broker_url: {exc}") from exc
         try:
-            await client.ping()
-        except RedisError as exc:
+            if isinstance(client, aioredis.RedisCluster):
+                # The slot map, from any seed (a PING would go to every node,
+                # and fail while one is down).
+                await client.initialize()
+            else:
+                await client.ping()
+        except FAILED as exc:
             await client.aclose()
             raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
         self._scripts = {name: client.register_script(scripts.source(name))
                          for name in scripts.NAMES}
         self._client = client
-        with contextlib.suppress(RedisError):  # CONFIG may be disabled (managed Redis)
-            policy = (await client.config_get("maxmemory-policy")).get("maxmemory-policy")
+        with contextlib.suppress(*FAILED):  # CONFIG may be disabled (managed Redis)
+            # On a cluster, one node's answer stands for all (set them alike).
+            target = ({"target_nodes": aioredis.RedisCluster.RANDOM}
+                      if isinstance(client, aioredis.RedisCluster) else {})
+            reply = await client.config_get("maxmemory-policy", **target)
+            policy = reply.get("maxmemory-policy") if isinstance(reply, dict) else None
             if policy and text(policy).startswith("allkeys"):
                 log.warning("%s evicts keys under memory pressure (maxmemory-policy=%s): "
                             "use noeviction; duebox keys carry no TTL", self._where(),
@@ -179,10 +233,10 @@ class RedisBroker(PublishingBroker):
             await acks.flush()
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*FAILED, OSError):
                 await client.aclose()
 
-    async def _redis(self) -> aioredis.Redis:
+    async def _redis(self) -> Client:
         if self._client is None:
             await self.open()
         assert self._client is not None
@@ -202,46 +256,66 @@ class RedisBroker(PublishingBroker):
         for i, out in enumerate(batch):
             by_queue.setdefault(out.message.queue, []).append(i)
         results: list[PublishResult | None] = [None] * len(batch)
-        errors: list[RedisError] = []
-        calls = 0
-        for queue, indexes in by_queue.items():
+        for queue, indexes in list(by_queue.items()):
             try:
                 self.check_queue_name(self.url, queue)
             except ValidationError as exc:
                 for i in indexes:
                     results[i] = refused(batch[i].message.job_id, exc)
-                continue
-            k = self.keys(queue)
-            for start in range(0, len(indexes), _PUBLISH_CHUNK):
-                chunk = indexes[start:start + _PUBLISH_CHUNK]
-                calls += 1
-                now_ms = self.context.clock.now().timestamp() * 1000.0
-                args: list[Any] = [math.floor(now_ms), k.wake]
-                for i in chunk:
-                    out = batch[i]
-                    # Delay 0 means already due: straight onto the stream.  A
-                    # later one is parked, rounded up to the millisecond.
-                    score = (math.floor(now_ms) if out.delay <= 0
-                             else math.ceil(now_ms + out.delay * 1000.0))
-                    args += [out.message.id_text, out.message.version, score,
-                             out.message.encode()]
-                try:
-                    # The queue names, for cancel(); renewed every call, so a
-                    # Redis that lost its data relearns them.
-                    await client.sadd(f"{self.settings.prefix}:queues", queue)
-                    placed = await self._run("publish", [k.due, k.msg, k.ready, k.held], args)
-                except RedisError as exc:
-                    errors.append(exc)
-                    for i in chunk:
-                        results[i] = PublishResult(batch[i].message.job_id, False, error=str(exc))
-                    continue
-                for i, where in zip(chunk, placed, strict=True):
-                    where = text(where)
-                    results[i] = PublishResult(batch[i].message.job_id, True,
-                                               None if where in ("z", "stale") else where)
-        if errors and len(errors) == calls:  # nothing got through: an outage
+                del by_queue[queue]
+        sends = [self._publish_queue(client, queue, indexes, batch, results)
+                 for queue, indexes in by_queue.items()]
+        if isinstance(client, aioredis.RedisCluster):
+            # Each queue's shard at once: one failing over holds up no other.
+            outcomes = [e for errors in await asyncio.gather(*sends) for e in errors]
+        else:
+            outcomes = [e for send in sends for e in await send]
+        errors = [e for e in outcomes if e is not None]
+        if errors and len(errors) == len(outcomes):  # nothing got through: an outage
             raise BrokerError(f"{self._where()} refused the publish: {errors[0]}") from errors[0]
         return [r for r in results if r is not None]
+
+    async def _publish_queue(self, client: Client, queue: str, indexes: list[int],
+                             batch: Sequence[Outgoing], results: list[PublishResult | None]
+                             ) -> list[Exception | None]:
+        """One queue's share of a batch, a script call per chunk; fills in
+        ``results``; returns each call's error (None: it went through)."""
+        k = self.keys(queue)
+        outcomes: list[Exception | None] = []
+        for start in range(0, len(indexes), _PUBLISH_CHUNK):
+            chunk = indexes[start:start + _PUBLISH_CHUNK]
+            now_ms = self.context.clock.now().timestamp() * 1000.0
+            args: list[Any] = [math.floor(now_ms), k.wake]
+            for i in chunk:
+                out = batch[i]
+                # Delay 0 means already due: straight onto the stream.  A
+                # later one is parked, rounded up to the millisecond.
+                score = (math.floor(now_ms) if out.delay <= 0
+                         else math.ceil(now_ms + out.delay * 1000.0))
+                args += [out.message.id_text, out.message.version, score,
+                         out.message.encode()]
+            try:
+                placed = await self._run("publish", [k.due, k.msg, k.ready, k.held], args)
+                if queue not in self._queues_told:
+                    # The queue names, for cancel(); told again once Redis
+                    # may have lost them (data_lost).  Best effort: on a
+                    # cluster this key's shard may be down while the queue's
+                    # serves (cancel is optional; the version check discards
+                    # what it leaves).
+                    with contextlib.suppress(*FAILED):
+                        await client.sadd(f"{self.settings.prefix}:queues", queue)
+                        self._queues_told.add(queue)
+            except FAILED as exc:
+                outcomes.append(exc)
+                for i in chunk:
+                    results[i] = PublishResult(batch[i].message.job_id, False, error=str(exc))
+                continue
+            outcomes.append(None)
+            for i, where in zip(chunk, placed, strict=True):
+                where = text(where)
+                results[i] = PublishResult(batch[i].message.job_id, True,
+                                           None if where in ("z", "stale") else where)
+        return outcomes
 
     async def cancel(self, job_ids: Sequence[uuid.UUID]) -> int:
         """Drop cancelled jobs' entries: parked ones and stream entries no worker
@@ -256,7 +330,7 @@ class RedisBroker(PublishingBroker):
             for q in sorted(text(q) for q in queues):
                 k = self.keys(q)
                 total += int(await self._run("cancel", [k.due, k.msg, k.ready, k.held], ids))
-        except RedisError as exc:
+        except FAILED as exc:
             raise BrokerError(f"{self._where()}: cancel failed: {exc}") from exc
         return total
 
@@ -274,18 +348,47 @@ class RedisBroker(PublishingBroker):
                     args += [str(ref.id), str(ref.version)]
                 found = await self._run("missing", [k.due, k.ready, k.held], args)
                 gone += [uuid.UUID(text(x)) for x in found]
-        except RedisError as exc:
+        except FAILED as exc:
             raise BrokerError(f"{self._where()}: reconciliation failed: {exc}") from exc
         return gone
 
     async def data_lost(self) -> bool:
         """True once after the sentinel key vanished (and on first use against
-        an empty Redis, when reconciling is cheap and harmless)."""
+        an empty Redis, when reconciling is cheap and harmless).  On a
+        cluster, also once after a shard's primary changed or went back (see
+        :meth:`_shards_changed`)."""
         client = await self._redis()
+        if isinstance(client, aioredis.RedisCluster):
+            lost = await self._cluster_lost(client)
+        else:
+            try:
+                lost = bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
+            except FAILED as exc:
+                raise BrokerError(f"{self._where()}: {exc}") from exc
+        if lost:
+            self._queues_told.clear()  # PREFIX:queues may be gone too
+        return lost
+
+    async def _cluster_lost(self, client: aioredis.RedisCluster) -> bool:
+        """The sentinel lives on one shard; any other may fail over alone, so
+        the shards are looked at too (brokers/redis_shards.py).  While a
+        shard does not answer this says False: the relay's pass goes on with
+        the shards that do, and a later look sees the new primary."""
+        now = time.monotonic()
+        if now < self._shards_due:
+            return False
+        self._shards_due = now + _SHARDS_EVERY
         try:
-            return bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
-        except RedisError as exc:
-            raise BrokerError(f"{self._where()}: {exc}") from exc
+            fresh = bool(await client.set(f"{self.settings.prefix}:alive", "1", nx=True))
+            shards = shard_view(await client.cluster_shards())
+        except FAILED as exc:
+            self._log.warning("shards", "%s: cannot look at the cluster now (%s); again "
+                              "shortly", self._where(), exc)
+            return False
+        seen, self._shards = self._shards, shards
+        # The first look reconciles too: a relay (re)started during a
+        # failover has nothing to compare with.
+        return fresh or seen is None or shards_changed(seen, shards)
 
     def queue_name(self, queue: str) -> str:
         self.check_queue_name(self.url, queue)
@@ -297,7 +400,7 @@ class RedisBroker(PublishingBroker):
         names = [self.queue_name(q) for q in queues]
         try:
             await self._ensure_groups(await self._redis(), list(queues))
-        except RedisError as exc:
+        except FAILED as exc:
             raise BrokerError(f"{self._where()}: declaring {', '.join(queues)} failed: "
                               f"{exc}") from exc
         return names
@@ -306,8 +409,14 @@ class RedisBroker(PublishingBroker):
         """The mover a duebox worker runs, for queues no duebox worker reads:
         parked messages reach the ready stream as they come due."""
         if queues:
-            await Mover(await self._redis(), self.keys, self._run, self.context.clock,
-                        self._where(), self._log).run(list(queues), stop)
+            await self._mover(await self._redis()).run(list(queues), stop)
+
+    def _mover(self, client: Client) -> Mover:
+        return Mover(client, self.keys, self._run, self.context.clock, self._where(), self._log,
+                     backoff_cap=self._backoff_cap())
+
+    def _backoff_cap(self) -> float:
+        return _CLUSTER_BACKOFF_CAP if self.settings.cluster else _BACKOFF_CAP
 
     def locate(self, job: EnqueuedRef, now: datetime) -> str:
         if job.due_at > now:
@@ -322,21 +431,23 @@ class RedisBroker(PublishingBroker):
         client = await self._redis()
         stop = asyncio.Event()
         mover = asyncio.create_task(
-            Mover(client, self.keys, self._run, self.context.clock, self._where(),
-                  self._log).run(names, stop), name="duebox-redis-mover")
+            self._mover(client).run(names, stop), name="duebox-redis-mover")
         ready = False
         next_reclaim = next_prune = 0.0
         backoff = 0.1
+        cap = self._backoff_cap()
         batch: list[Delivery] = []
         try:
             while True:
                 reraise_lost_cancel()
                 size = buffer_size(prefetch, wanted)
-                room = size - len(self._in_flight)
+                # Reads still in flight (a cluster's) may bring what they asked for.
+                room = size - len(self._in_flight) - self._each.asked()
                 # With most of the prefetch in hand, wait for a few slots
                 # to free up: refilling one slot per read cost a round trip
                 # per message.
-                if room <= 0 or (room < size // _REFILL_PART and self._in_flight):
+                if not self._each.reads and (room <= 0 or (room < size // _REFILL_PART
+                                                      and self._in_flight)):
                     await wait_any(IDLE_WAKE, self._freed)
                     self._freed.clear()
                     continue
@@ -349,23 +460,26 @@ class RedisBroker(PublishingBroker):
                         batch = await self._reclaim(client, names, room)
                     if time.monotonic() >= next_prune:
                         next_prune = time.monotonic() + _PRUNE_EVERY
-                        with contextlib.suppress(RedisError):  # housekeeping only
+                        with contextlib.suppress(*FAILED):  # housekeeping only
                             await self._prune_consumers(client, names)
                     if not batch:
                         block = max(1, int(min(1.0, next_reclaim - time.monotonic()) * 1000))
                         batch = await self._read(client, names, room, block)
                     backoff = 0.1
-                except ResponseError as exc:
-                    if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
+                except FAILED as exc:
+                    if isinstance(exc, ResponseError) and str(exc).startswith(
+                            ("NOGROUP", "UNBLOCKED")):
+                        # Redis lost the stream and its group (or a failover
+                        # unblocked the read): make them again.
+                        ready = False
+                        continue
+                    if isinstance(exc, ResponseError) and not passing(exc):
                         raise BrokerError(f"{self._where()}: {exc}") from exc
-                    ready = False  # Redis lost the stream and its group: make them again
-                    continue
-                except RedisError as exc:
                     reraise_lost_cancel()
                     self._log.warning("read", "%s: read failed (%s); retrying in %.1fs",
                                       self._where(), exc, backoff)
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    backoff = min(backoff * 2, cap)
                     continue
                 reraise_lost_cancel()
                 batch.reverse()
@@ -374,11 +488,13 @@ class RedisBroker(PublishingBroker):
         finally:
             for unread in batch:  # read, never handed to the worker
                 self.release(unread)
+            for q, eid, fields in await self._each.cancel():  # read in flight, never handed on
+                self.release(self._delivery(q, eid, fields, redelivered=False))
             stop.set()
             mover.cancel()
             await asyncio.wait({mover}, timeout=2.0)
 
-    async def _ensure_groups(self, client: aioredis.Redis, names: list[str]) -> None:
+    async def _ensure_groups(self, client: Client, names: list[str]) -> None:
         for q in names:
             try:
                 # From "0", not "$": entries added before the group existed
@@ -398,8 +514,11 @@ class RedisBroker(PublishingBroker):
         return self.delivery(fields.get(b"body", b""), raw=entry, redelivered=redelivered,
                                   extra={"queue": queue, "entry": entry, "job": job})
 
-    async def _read(self, client: aioredis.Redis, names: list[str], room: int,
+    async def _read(self, client: Client, names: list[str], room: int,
                     block_ms: int) -> list[Delivery]:
+        if isinstance(client, aioredis.RedisCluster) and len(names) > 1:
+            return [self._delivery(q, eid, fields, redelivered=False) for q, eid, fields
+                    in await self._each.read(client, names, room, block_ms)]
         streams = {self.keys(q).ready: ">" for q in names}
         by_stream = {self.keys(q).ready: q for q in names}
         count = max(1, room // len(names))
@@ -413,7 +532,7 @@ class RedisBroker(PublishingBroker):
                 out.append(self._delivery(queue, eid, fields, redelivered=False))
         return out
 
-    async def _reclaim(self, client: aioredis.Redis, names: list[str],
+    async def _reclaim(self, client: Client, names: list[str],
                        room: int) -> list[Delivery]:
         """Take over entries unacknowledged for longer than ``claim_idle``: their
         worker died, or its handler is still running (then the start finds the
@@ -454,14 +573,14 @@ class RedisBroker(PublishingBroker):
                     if str(exc).startswith("NOGROUP"):
                         break  # no stream or group: nothing was pending
                     raise BrokerError(f"{self._where()}: {exc}") from exc
-                except RedisError as exc:
+                except FAILED as exc:
                     raise BrokerError(f"{self._where()}: {exc}") from exc
                 total += int(handed)
                 if int(looked) < MOVE_LIMIT:
                     break
         return total
 
-    async def _prune_consumers(self, client: aioredis.Redis, names: list[str]) -> None:
+    async def _prune_consumers(self, client: Client, names: list[str]) -> None:
         """Forget consumers with nothing pending that were idle for an hour (or
         ten claim periods): dead workers' names would pile up otherwise."""
         limit_ms = max(3600.0, 10 * self.settings.claim_idle) * 1000
@@ -494,7 +613,7 @@ class RedisBroker(PublishingBroker):
                 "acking", functools.partial(self._ack_many, k), lanes=1, linger=_ACK_LINGER)
         try:
             await acks.call((entry, job))
-        except RedisError as exc:
+        except FAILED as exc:
             # The entry stays pending; it is taken over after claim_idle and
             # the redelivery is discarded by the version check.
             self._log.warning("ack", "%s: ack of %s failed: %s", self._where(), entry, exc)
@@ -511,7 +630,7 @@ class RedisBroker(PublishingBroker):
         for k, acks in by_stream.values():
             try:
                 await self._ack_many(k, acks)
-            except RedisError as exc:  # pending: taken over after claim_idle, then discarded
+            except FAILED as exc:  # pending: taken over after claim_idle, then discarded
                 self._log.warning("ack", "%s: ack of %d entries failed: %s", self._where(),
                                   len(acks), exc)
 
@@ -559,6 +678,6 @@ class RedisBroker(PublishingBroker):
             await self._run("defer", [k.due, k.msg, k.ready, k.held],
                             [self.settings.group, entry, job or str(msg.job_id), msg.version,
                              score, msg.encode(), k.wake])
-        except RedisError as exc:
+        except FAILED as exc:
             self._log.warning("defer", "%s: defer of %s failed: %s", self._where(), entry, exc)
         return True

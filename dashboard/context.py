@@ -19,7 +19,7 @@ from duebox.masking import Masked, masked, shown_as_is
 
 from .render import esc, notice
 from .security import Guard
-from .web import Request
+from .web import Request, url
 
 _FLASH_KEEP = 200
 
@@ -78,7 +78,7 @@ class Dashboard:
             return ""
         cls = "danger" if danger else ""
         return (
-            f'<form method=post action="{esc(action)}" class=action>'
+            f'<form method=post action="{esc(url(action))}" class=action>'
             f'<input type=hidden name=csrf value="{self.guard.csrf_field(request.csrf_cookie)}">'
             f"{extra}"
             '<label>Operator <input name=operator autocomplete=username required></label>'

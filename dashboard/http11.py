@@ -149,12 +149,16 @@ async def read_body(reader: asyncio.StreamReader, length: int, deadline: float) 
         raise ProtocolError(408, f"request body not received within {deadline:g} s") from None
 
 
-def status_line(status: int) -> bytes:
+def status_text(status: int) -> str:
+    """``200 OK``: the status and its reason phrase."""
     try:
-        phrase = HTTPStatus(status).phrase
+        return f"{status} {HTTPStatus(status).phrase}"
     except ValueError:
-        phrase = ""
-    return f"HTTP/1.1 {status} {phrase}\r\n".encode("latin-1")
+        return f"{status} "
+
+
+def status_line(status: int) -> bytes:
+    return f"HTTP/1.1 {status_text(status)}\r\n".encode("latin-1")
 
 
 def encode_response(status: int, headers: list[tuple[str, str]], body: bytes, *,

@@ -12,6 +12,8 @@ from html import escape
 from typing import Any
 from urllib.parse import urlencode
 
+from .web import url
+
 NAV = (("/", "Overview"), ("/jobs", "Jobs"), ("/schedules", "Schedules"), ("/dlq", "DLQ"),
        ("/processes", "Relays & workers"))
 
@@ -45,7 +47,7 @@ def seconds(value: float | None) -> str:
 
 def link(href: str, text: object, **params: object) -> str:
     query = urlencode({k: v for k, v in params.items() if v not in (None, "")})
-    return f'<a href="{esc(href + ("?" + query if query else ""))}">{esc(text)}</a>'
+    return f'<a href="{esc(url(href) + ("?" + query if query else ""))}">{esc(text)}</a>'
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]], empty: str = "none",
@@ -86,15 +88,15 @@ def page(title: str, live: str, rest: str = "", *, active: str = "/", refresh: f
     """The whole page: ``live`` is the part the auto-refresh script replaces
     every ``refresh`` seconds (forms belong in ``rest``, so typing survives)."""
     nav = "".join(
-        f'<a href="{href}"{" class=active" if href == active else ""}>{esc(text)}</a>'
+        f'<a href="{esc(url(href))}"{" class=active" if href == active else ""}>{esc(text)}</a>'
         for href, text in NAV)
     every = f' data-refresh="{refresh:g}"' if refresh else ""
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8>"
         f"<title>{esc(title)} · duebox</title>"
         '<meta name=viewport content="width=device-width, initial-scale=1">'
-        '<link rel=stylesheet href="/static/dashboard.css">'
-        '<script src="/static/dashboard.js" defer></script></head><body>'
+        f'<link rel=stylesheet href="{esc(url("/static/dashboard.css"))}">'
+        f'<script src="{esc(url("/static/dashboard.js"))}" defer></script></head><body>'
         f'<header><span class=brand>duebox</span><nav>{nav}</nav></header>'
         f"<main>{banner}<h1>{esc(title)}</h1>"
         f'<div id=live{every}>{live}</div>{rest}</main></body></html>'

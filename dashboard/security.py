@@ -74,7 +74,9 @@ class Guard:
         if len(value) == 64 and all(c in "0123456789abcdef" for c in value):
             return value, None
         value = secrets.token_hex(32)
-        return value, f"{CSRF_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict"
+        # Under a mount, only the dashboard's own paths get it (the prefix is
+        # checked: letters, digits and -._~ between slashes).
+        return value, f"{CSRF_COOKIE}={value}; Path={request.root}/; HttpOnly; SameSite=Strict"
 
     def _sign(self, cookie: str, issued: str) -> str:
         return hmac.new(self._secret, f"{cookie}.{issued}".encode(), hashlib.sha256).hexdigest()

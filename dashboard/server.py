@@ -30,19 +30,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import resource
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from http.cookies import CookieError, SimpleCookie
+from dataclasses import dataclass
 
 from duebox import Duebox
 from duebox.errors import ValidationError
 
-from .context import Dashboard
-from .hosts import HostAllowList, checked_name, listen
+from .gate import Gate, ViewPool, plain
+from .hosts import listen
 from .http11 import (
     CONTINUE,
     Head,
@@ -52,9 +49,8 @@ from .http11 import (
     read_head,
 )
 from .inputs import decode_form, decode_target
-from .routes import error_page, respond, secured, wants_body
-from .security import Guard
-from .web import HTTPError, Request, Response
+from .limits import Limits
+from .web import HTTPError, Response
 
 log = logging.getLogger("duebox.dashboard")
 
@@ -62,41 +58,10 @@ LINGER_SECONDS = 2.0  # drain what a client still sends after a response that cl
 LINGER_BYTES = 256 * 1024
 
 
-def _default_max_connections() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return 512 if soft == resource.RLIM_INFINITY else max(16, min(512, soft // 2))
-
-
-@dataclass(frozen=True)
-class Limits:
-    head_timeout: float = 10.0  # seconds for a whole request head (also idle keep-alive)
-    body_timeout: float = 10.0
-    write_timeout: float = 10.0
-    max_head: int = 16 * 1024  # bytes of request line and headers
-    max_body: int = 32 * 1024  # bytes of an action's form
-    threads: int = 8  # views running at once
-    queue_wait: float = 5.0  # seconds a request waits for a thread before 503
-    max_connections: int = field(default_factory=_default_max_connections)
-
-
 @dataclass
 class _Connection:
     writer: asyncio.StreamWriter
     waiting_since: float | None  # since when it waits for a head; None while busy
-
-
-def _cookies(header: str | None) -> dict[str, str]:
-    jar: SimpleCookie = SimpleCookie()
-    try:
-        jar.load(header or "")
-    except CookieError:
-        return {}
-    return {k: m.value for k, m in jar.items()}
-
-
-def _plain(status: int, message: str, headers: Iterable[tuple[str, str]] = ()) -> Response:
-    return secured(Response(status, f"{message}\n".encode(), "text/plain; charset=utf-8",
-                            headers=list(headers)))
 
 
 class DashboardServer:
@@ -108,16 +73,15 @@ class DashboardServer:
                  token: str | None = None, refresh: float = 2.0,
                  show_unregistered_payloads: bool = False, allow_hosts: Iterable[str] = (),
                  limits: Limits | None = None) -> None:
-        names = [checked_name(n) for n in allow_hosts]  # refused before binding
-        guard = Guard(token, clock=lambda: app.clock.now().timestamp(), proxied=names)
-        self.dashboard = Dashboard(app, guard, refresh=refresh,
-                                   show_unregistered_payloads=show_unregistered_payloads)
-        self.limits = limits or Limits()
+        self.gate = Gate(app, token=token, refresh=refresh,
+                         show_unregistered_payloads=show_unregistered_payloads,
+                         allow_hosts=allow_hosts, limits=limits)  # checked before binding
+        self.dashboard = self.gate.dashboard
+        self.limits = self.gate.limits
         self._socket = listen(host, port)
-        self.hosts = HostAllowList(self._socket.getsockname()[0], names)
-        self._pool = ThreadPoolExecutor(self.limits.threads, thread_name_prefix="duebox-dashboard")
+        self.gate.listening_on(self._socket.getsockname()[0])
+        self._views = ViewPool(self.limits)
         self._connections: dict[asyncio.Task[None], _Connection] = {}
-        self._slots = asyncio.Semaphore(self.limits.threads)
         self._stopping = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -170,7 +134,7 @@ class DashboardServer:
 
     def close(self) -> None:
         self._socket.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._views.close()
 
     # --- one connection --------------------------------------------------------------
 
@@ -193,7 +157,7 @@ class DashboardServer:
         task = asyncio.current_task()
         assert task is not None
         if not self._admit(task, writer):
-            writer.write(self._encode(_plain(503, "too many connections; try again",
+            writer.write(self._encode(plain(503, "too many connections; try again",
                                              [("Retry-After", "1")]), close=True))
             writer.close()
             return
@@ -219,7 +183,7 @@ class DashboardServer:
             log.debug("dashboard: %s: %s %s", client, exc.status, exc.message)
             linger = True
             with contextlib.suppress(ConnectionError, TimeoutError):
-                await self._write(writer, _plain(exc.status, exc.message), close=True)
+                await self._write(writer, plain(exc.status, exc.message), close=True)
         except (ConnectionError, TimeoutError):
             pass  # gone, or not reading what we send
         except asyncio.CancelledError:
@@ -236,43 +200,21 @@ class DashboardServer:
                         head: Head, client: str) -> tuple[Response, bool]:
         """The response to one request head, and whether its body is left unread."""
         unread = head.length > 0
+        # Until the path is decoded its refusals are judged by the raw one.
+        path = head.target.partition("?")[0]
         try:
             path, query = decode_target(head.target)
-            if not self.hosts.allows(head.headers.get("host", "")):
-                # DNS rebinding: a foreign site's name pointed at this address.
-                raise HTTPError(421, "unexpected Host header (start the dashboard with "
-                                     "--allow-host NAME to answer for a name)")
-            if head.length > self.limits.max_body:
-                raise HTTPError(413, f"request body over {self.limits.max_body} bytes")
-            request = Request(method=head.method, path=path or "/", query=query,
-                              cookies=_cookies(head.headers.get("cookie")),
-                              headers=head.headers, client=client)
-            if wants_body(request.method, request.path):
-                self.dashboard.guard.before_body(request)
+            request = self.gate.admit(head.method, path, query, head.headers, client=client,
+                                      length=head.length)
+            if self.gate.reads_body(request):
                 if head.expects_continue and unread:
                     writer.write(CONTINUE)
                 request.form = decode_form(
                     await read_body(reader, head.length, self.limits.body_timeout))
                 unread = False
-        except HTTPError as exc:
-            return secured(error_page(exc.status, exc.message, exc.headers)), unread
-        except ValidationError as exc:
-            return secured(error_page(400, f"{type(exc).__name__}: {exc}")), unread
-        return await self._run(request), unread
-
-    async def _run(self, request: Request) -> Response:
-        """Run the view on a pool thread, waiting at most ``queue_wait`` for one."""
-        try:
-            async with asyncio.timeout(self.limits.queue_wait):
-                await self._slots.acquire()
-        except TimeoutError:
-            return _plain(503, "busy: every dashboard thread is taken; try again",
-                          [("Retry-After", "1")])
-        try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, respond, self.dashboard, request)
-        finally:
-            self._slots.release()
+        except (HTTPError, ValidationError) as exc:
+            return self.gate.refuse(path, exc), unread
+        return await self._views.run(self.gate, request), unread
 
     def _encode(self, response: Response, *, head_only: bool = False,
                 close: bool = False) -> bytes:
@@ -301,3 +243,6 @@ class DashboardServer:
                     while drained < LINGER_BYTES and (chunk := await reader.read(65536)):
                         drained += len(chunk)
         writer.close()
+
+
+__all__ = ["DashboardServer", "Limits"]

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from duebox.ids import parse_job_id
-from duebox.inspect import AttemptView, AuditView, JobView, load_job, locator, where_now
+from duebox.inspect import AttemptView, JobDetail
 from duebox.masking import Masked
 from duebox.states import FINAL_STATES, JobState
 
 from .context import Dashboard
-from .queries import Cursor, parse_filter, search_jobs
+from .reads import read_job, read_jobs, versions
 from .render import badge, compact_json, esc, link, page, payload_section, seconds, table, ts
-from .web import REF, Request, Response, redirect, route
-
-# Audit actions that move a job's version on (cancel, reschedule, replay).
-_VERSIONING = ("cancel", "reschedule", "replay")
+from .web import REF, Request, Response, redirect, route, url
 
 
 def _search_form(request: Request) -> str:
@@ -24,7 +20,7 @@ def _search_form(request: Request) -> str:
     chosen = request.query.get("state", "").upper()
     options = '<option value="">any</option>' + "".join(
         f'<option{" selected" if s == chosen else ""}>{esc(s)}</option>' for s in JobState)
-    return ('<form method=get action="/jobs" class=search>'
+    return (f'<form method=get action="{esc(url("/jobs"))}" class=search>'
             + field("q", "Id or key", "job id or business key") + field("queue", "Queue")
             + f"<label>State <select name=state>{options}</select></label>"
             + field("from", "Due from (UTC)", "2026-01-31T09:00")
@@ -33,10 +29,8 @@ def _search_form(request: Request) -> str:
 
 @route("GET", r"/jobs")
 def jobs(d: Dashboard, request: Request) -> Response:
-    f = parse_filter(request.query)
-    after = Cursor.decode(request.query["after"]) if request.query.get("after") else None
-    with d.read("dashboard jobs") as conn:
-        result = search_jobs(conn, f, limit=d.page_size, after=after)
+    found = read_jobs(d, request.query, d.page_size)
+    f, result = found.filter, found.page
     if f.text and len(result.rows) == 1 and not request.partial:
         return redirect(f"/jobs/{result.rows[0].id}")
     rows = [[link(f"/jobs/{r.id}", str(r.id)[:13] + "…"), esc(r.task), esc(r.queue),
@@ -77,22 +71,19 @@ def _traceback(m: Masked, text: str | None) -> str:
     return f"<details><summary>traceback</summary><pre>{_error_text(m, text)}</pre></details>"
 
 
-def _versions(row: JobView, audits: list[AuditView]) -> str:
-    """Version 1 is the job as scheduled; each cancel, reschedule or replay
-    moved it on (the audit rows say which; a reschedule by the API writes
-    none, so the list may be shorter than the version number)."""
-    items = [f"<li>v1 scheduled {ts(row.created_at)}</li>"]
-    items += [f"<li>{esc(a.action)} {ts(a.at)} by {esc(a.operator)}</li>"
-              for a in audits if a.action in _VERSIONING]
-    return f"<p>now version <b>{esc(row.version)}</b></p><ol class=versions>{''.join(items)}</ol>"
+def _versions(detail: JobDetail) -> str:
+    items = [f"<li>v1 scheduled {ts(v.at)}</li>" if v.operator is None
+             else f"<li>{esc(v.action)} {ts(v.at)} by {esc(v.operator)}</li>"
+             for v in versions(detail)]
+    return (f"<p>now version <b>{esc(detail.job.version)}</b></p>"
+            f"<ol class=versions>{''.join(items)}</ol>")
 
 
 @route("GET", rf"/jobs/{REF}")
 def job(d: Dashboard, request: Request, job_id: str) -> Response:
-    jid = parse_job_id(job_id, "job id")
-    detail = load_job(d.app.engine, jid)
-    row, now = detail.job, d.now()
-    m = d.mask(row.task, row.payload)
+    shown = read_job(d, job_id)
+    detail, m = shown.detail, shown.mask
+    row = detail.job
     events = table(["event", "at (UTC)", "vs due"],
                    [[esc(e.name), ts(e.at), "" if e.late_s is None else seconds(e.late_s)]
                     for e in detail.timeline()])
@@ -108,9 +99,9 @@ def job(d: Dashboard, request: Request, job_id: str) -> Response:
     error = (f'<h2>Last error</h2><p><b>{esc(row.error_class)}</b></p>'
              f"<pre>{_error_text(m, row.last_error)}</pre>" if row.last_error else "")
     live = (f"{facts}<p class=where><b>Where it is now:</b> "
-            f"{esc(where_now(row, locator(d.app), now))}</p>"
+            f"{esc(shown.where)}</p>"
             f"<h2>Timeline</h2>{events}<h2>Attempts</h2>{_attempts(detail.attempts, m)}{error}"
-            f"<h2>Versions</h2>{_versions(row, detail.audits)}<h2>Audit</h2>{audit_rows}")
+            f"<h2>Versions</h2>{_versions(detail)}<h2>Audit</h2>{audit_rows}")
     if request.partial:
         return Response(body=live)
     rest = payload_section(m.payload, m.note, m.hidden)

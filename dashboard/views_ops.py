@@ -5,20 +5,18 @@ from __future__ import annotations
 from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
-from duebox import dlq
 from duebox.cron import Fire, load_zone
-from duebox.errors import ValidationError
-from duebox.ids import parse_job_id
-from duebox.inspect import payloads
 from duebox.metrics import seconds as elapsed
-from duebox.schedules import ScheduleInfo
 
 from .context import Dashboard
-from .queries import (
-    in_flight_by_owner,
-    named_leases,
-    schedule_audit,
-    schedules_page,
+from .reads import (
+    ERROR_CLASSES,
+    next_fire,
+    next_transition,
+    read_dlq,
+    read_processes,
+    read_schedule,
+    read_schedules,
 )
 from .render import (
     badge,
@@ -33,31 +31,10 @@ from .render import (
 )
 from .web import REF, Request, Response, route
 
-ERROR_CLASSES = ("transient", "throttled", "permanent", "unknown", "lost", "expired")
-
 
 def _local(at: datetime, zone: tzinfo) -> str:
     local = at.astimezone(zone)
     return f"{local:%Y-%m-%d %H:%M:%S} {esc(local.tzname() or '')}"
-
-
-def next_transition(zone: tzinfo, after: datetime, days: int = 400) -> datetime | None:
-    """The first instant after ``after`` at which ``zone``'s UTC offset
-    changes (a daylight saving change), to the second; None within ``days``."""
-    offset = after.astimezone(zone).utcoffset()
-    lo = after
-    for day in range(1, days + 1):
-        hi = after + timedelta(days=day)
-        if hi.astimezone(zone).utcoffset() != offset:
-            while (hi - lo) > timedelta(seconds=1):
-                mid = lo + (hi - lo) / 2
-                if mid.astimezone(zone).utcoffset() == offset:
-                    lo = mid
-                else:
-                    hi = mid
-            return hi.replace(microsecond=0)
-        lo = hi
-    return None
 
 
 def _fires(fires: list[Fire], zone: tzinfo) -> str:
@@ -78,16 +55,14 @@ def _fires(fires: list[Fire], zone: tzinfo) -> str:
 
 @route("GET", r"/schedules")
 def schedules(d: Dashboard, request: Request) -> Response:
-    with d.read("dashboard schedules") as conn:
-        infos, nxt = schedules_page(conn, after=request.query.get("after") or None,
-                                    limit=d.page_size)
+    infos, nxt = read_schedules(d, request.query, d.page_size)
     rows = []
     for i in infos:
         zone = load_zone(i.timezone)
-        fire = d.app.schedules.next_fires(i, 1)
-        first = (f"{_local(fire[0].at, zone)}<br>{ts(fire[0].at)}"
-                 + (' <span class=dst>DST</span>' if fire[0].kind != "regular" else "")
-                 if fire and not i.paused else "-")
+        fire = next_fire(d, i)
+        first = (f"{_local(fire.at, zone)}<br>{ts(fire.at)}"
+                 + (' <span class=dst>DST</span>' if fire.kind != "regular" else "")
+                 if fire else "-")
         rows.append([link(f"/schedules/{i.id}", i.name), f"<code>{esc(i.cron)}</code>",
                      esc(i.timezone), esc(i.task), first,
                      badge("PAUSED" if i.paused else "ACTIVE")])
@@ -101,11 +76,8 @@ def schedules(d: Dashboard, request: Request) -> Response:
 
 @route("GET", rf"/schedules/{REF}")
 def schedule_page(d: Dashboard, request: Request, ref: str) -> Response:
-    with d.read("dashboard schedule") as conn:
-        info = d.app.schedules.get(conn, ref)
-        assert isinstance(info, ScheduleInfo)
-        recent = d.app.schedules.history(conn, info.id, 20)
-    assert isinstance(recent, list)
+    shown = read_schedule(d, ref)
+    info, recent = shown.info, shown.recent
     zone = load_zone(info.timezone)
     facts = table(["rule", "zone", "task", "queue", "policies", "jitter", "state", "version",
                    "origin"],
@@ -129,57 +101,32 @@ def schedule_page(d: Dashboard, request: Request, ref: str) -> Response:
                       esc(r.attempt), link(f"/jobs/{r.id}", str(r.id)[:13] + "…")]
                      for r in recent], empty="no occurrences yet")
     body = (f"{facts}<h2>Next fire times</h2>{upcoming}"
-            f"{_fires(d.app.schedules.next_fires(info, 10), zone)}"
-            f"<h2>Latest occurrences</h2>{history}{_payload(d, info)}"
-            f"<h2>Operator actions</h2>{_schedule_audit(d, info)}")
+            f"{_fires(shown.fires, zone)}<h2>Latest occurrences</h2>{history}"
+            f"{payload_section(shown.mask.payload, shown.mask.note, shown.mask.hidden)}"
+            f"<h2>Operator actions</h2>{_schedule_audit(shown.actions)}")
     action = ("resume", "Resume") if info.paused else ("pause", "Pause")
     rest = d.action_form(request, f"/schedules/{info.id}/{action[0]}", action[1])
     return Response(body=page(f"Schedule {info.name}", body, rest, active="/schedules",
                               banner=d.take_flash(request)))
 
 
-def _payload(d: Dashboard, info: ScheduleInfo) -> str:
-    m = d.mask(info.task, info.payload)
-    return payload_section(m.payload, m.note, m.hidden)
-
-
-def _schedule_audit(d: Dashboard, info: ScheduleInfo) -> str:
-    with d.read("dashboard schedule audit") as conn:
-        rows = schedule_audit(conn, info.id)
+def _schedule_audit(actions: list[Any]) -> str:
     return table(["at (UTC)", "action", "operator", "reason"],
-                 [[ts(a.at), esc(a.action), esc(a.operator), esc(a.reason)] for a in rows],
+                 [[ts(a.at), esc(a.action), esc(a.operator), esc(a.reason)] for a in actions],
                  empty="none recorded", cls="audit")
 
 
-def _error_class(request: Request) -> str | None:
-    value = request.query.get("error_class") or None
-    if value is not None and value not in ERROR_CLASSES:
-        raise ValidationError("error_class", f"must be one of {', '.join(ERROR_CLASSES)}",
-                              value)
-    return value
-
-
-def _first_line(d: Dashboard, row: dlq.DeadJob, payloads: dict[Any, Any]) -> str:
-    """The first line of a dead job's error, masked like its payload."""
-    text = row.last_error
-    if text and row.id in payloads:
-        text = d.mask(row.task, payloads[row.id]).text(text)
-        if text is None:
-            return "<span class=muted>hidden (the job page says why)</span>"
+def _first_line(text: str | None) -> str:
+    """The first line of a dead job's error (None: hidden by its mask)."""
+    if text is None:
+        return "<span class=muted>hidden (the job page says why)</span>"
     return esc(text.splitlines()[0][:120] if text else "")
 
 
 @route("GET", r"/dlq")
 def dead_letters(d: Dashboard, request: Request) -> Response:
-    error_class = _error_class(request)
-    task = request.query.get("task") or None
-    after = request.query.get("after")
-    with d.read("dashboard dlq") as conn:
-        total = dlq.count_dead(conn, error_class=error_class, task=task)
-        rows = dlq.list_dead(conn, error_class=error_class, task=task, limit=d.page_size,
-                             after=parse_job_id(after, "after") if after else None)
-        # Error text may quote the payload: mask it as the payload would be.
-        masked = payloads(conn, [r.id for r in rows if not d.shown_as_is(r.task)])
+    dead = read_dlq(d, request.query, d.page_size)
+    error_class, task, total, rows = dead.error_class, dead.task, dead.total, dead.rows
     filters = " ".join(
         link("/dlq", c if c != error_class else f"[{c}]", error_class=c, task=task)
         for c in ERROR_CLASSES) + " " + link("/dlq", "all", task=task)
@@ -188,11 +135,11 @@ def dead_letters(d: Dashboard, request: Request) -> Response:
         [["Q" if r.quarantined else "", link(f"/jobs/{r.id}", str(r.id)[:13] + "…"),
           esc(r.task), esc(r.queue), esc(r.error_class or "-"), esc(r.attempt),
           ts(r.finished_at),
-          f"<code>{_first_line(d, r, masked)}</code>"] for r in rows],
+          f"<code>{_first_line(dead.errors[r.id])}</code>"] for r in rows],
         empty="the dead-letter queue is empty")
-    if len(rows) == d.page_size:
+    if dead.after is not None:
         more = link("/dlq", "next page →", error_class=error_class, task=task,
-                    after=str(rows[-1].id))
+                    after=str(dead.after))
         listing += f"<p>{more}</p>"
     scope_text = (f" of class {error_class}" if error_class else "") + \
         (f" of task {task}" if task else "")
@@ -213,13 +160,8 @@ def dead_letters(d: Dashboard, request: Request) -> Response:
 
 @route("GET", r"/processes")
 def processes(d: Dashboard, request: Request) -> Response:
-    from duebox.heartbeat import alive
-
-    now = d.now()
-    with d.read("dashboard processes") as conn:
-        procs = alive(conn, now)
-        leases = named_leases(conn)
-        flying = in_flight_by_owner(conn)
+    seen = read_processes(d)
+    now, procs, leases, flying = seen.now, seen.alive, seen.leases, seen.leased
     rows = []
     for p in procs:
         info = p.info

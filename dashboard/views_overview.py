@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from duebox.inspect_status import GroupView, build_report
+from duebox.inspect_status import GroupView
 
 from .charts import bar_chart, line_chart
 from .context import Dashboard
-from .queries import due_ahead, fires_ahead, lateness_buckets
+from .reads import HORIZONS, WINDOW, read_overview
 from .render import esc, link, notice, page, seconds, table
 from .web import Request, Response, route
-
-_WINDOW = 300.0  # seconds of starts behind "throughput" (as in duebox status)
-_HORIZONS = {"5m": 300.0, "1h": 3600.0, "6h": 6 * 3600.0, "24h": 24 * 3600.0}
 
 
 def _groups(title: str, groups: dict[str, GroupView], param: str) -> str:
@@ -22,7 +19,7 @@ def _groups(title: str, groups: dict[str, GroupView], param: str) -> str:
         rows.append([
             label, esc(v.due_backlog), seconds(v.oldest_due_age_s), esc(v.in_flight),
             link("/dlq", v.dlq, queue=name) if param == "queue" else esc(v.dlq),
-            f"{v.started_recently * 60 / _WINDOW:.1f}",
+            f"{v.started_recently * 60 / WINDOW:.1f}",
             seconds(v.lateness_p50_s), seconds(v.lateness_p99_s)])
     return table([title, "due backlog", "oldest due", "in flight", "DLQ", "started/min",
                   "late p50", "late p99"], rows, cls="numbers")
@@ -30,15 +27,8 @@ def _groups(title: str, groups: dict[str, GroupView], param: str) -> str:
 
 @route("GET", r"/")
 def overview(d: Dashboard, request: Request) -> Response:
-    horizon_key = request.query.get("ahead", "6h")
-    horizon = _HORIZONS.get(horizon_key, _HORIZONS["6h"])
-    now = d.now()
-    report = build_report(d.app.engine, now, window=_WINDOW,
-                          own_queues=d.app.settings.own_queues)
-    with d.read("dashboard overview") as conn:
-        late = lateness_buckets(conn, now)
-        ahead = due_ahead(conn, now, horizon=horizon)
-        fires = fires_ahead(conn, now, horizon=horizon)
+    o = read_overview(d, request.query)
+    report, late, ahead = o.report, o.lateness, o.due
     look = {"healthy": "ok", "degraded": "warn", "unhealthy": "bad"}[report.verdict]
     verdict = f'<p class="verdict {look}">{esc(report.verdict)}</p>'
     problems = "".join(notice(p, "bad") for p in report.problems)
@@ -51,10 +41,10 @@ def overview(d: Dashboard, request: Request) -> Response:
         [f"{b.start:%H:%M}" for b in late],
         [(f"p50 {d.scheme}", [b.p50 for b in late]), (f"p99 {d.scheme}", [b.p99 for b in late])])
     # Schedules count too: their fire times are jobs to come.
-    due_chart = bar_chart(f"jobs and schedule fire times due in the next {horizon_key}",
+    due_chart = bar_chart(f"jobs and schedule fire times due in the next {o.horizon}",
                           [f"{b.start:%H:%M}" for b in ahead],
-                          [b.count + f for b, f in zip(ahead, fires, strict=True)])
-    horizons = " ".join(link("/", k, ahead=k) for k in _HORIZONS)
+                          [b.count + f for b, f in zip(ahead, o.fires, strict=True)])
+    horizons = " ".join(link("/", k, ahead=k) for k in HORIZONS)
     live = (
         f"{verdict}{problems}<p class=states>{states}{esc(capped)}</p>"
         f"<p class=muted>at {esc(report.at)}, refreshed every {d.refresh:g} s; outbox "

@@ -218,15 +218,18 @@ def _once_it_runs(*args: str) -> str:
 
 
 class Keys:
-    """A look at one test's Redis keys, with a plain synchronous client."""
+    """A look at one test's Redis keys, with a plain synchronous client (a
+    ``redis.RedisCluster`` on a cluster: ``base`` is then its URL)."""
 
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(self, client: redis.Redis | redis.RedisCluster, prefix: str,
+                 base: str = REDIS) -> None:
         self.client = client
         self.prefix = prefix
+        self.base = base
 
     def url(self, **params: object) -> str:
         """The ``redis://`` broker URL for this prefix."""
-        return with_params(REDIS, prefix=self.prefix, **params)
+        return with_params(self.base, prefix=self.prefix, **params)
 
     def k(self, part: str, queue: str = "default") -> str:
         return f"{self.prefix}:{{{queue}}}:{part}"
@@ -251,12 +254,13 @@ class Keys:
             return 0
 
     def all(self) -> list[bytes]:
+        """Every key under the prefix (on a cluster, redis-py scans each primary)."""
         return list(self.client.scan_iter(match=f"{self.prefix}:*", count=1000))
 
     def wipe(self) -> int:
-        """What FLUSHALL does to this backend: every key under the prefix goes."""
-        found = self.all()
-        return int(self.client.delete(*found)) if found else 0
+        """What FLUSHALL does to this backend: every key under the prefix goes
+        (one by one: on a cluster they are in several slots)."""
+        return sum(int(self.client.delete(key)) for key in self.all())
 
 
 # --- SQS (LocalStack) ------------------------------------------------------------------
@@ -351,6 +355,31 @@ def kafka_mock() -> Any:
     import kafka_mock
 
     return kafka_mock
+
+
+def redis_cluster() -> Any:
+    """tests/services/redis_cluster.py as a module (``LocalCluster``)."""
+    if str(SERVICES) not in sys.path:
+        sys.path.insert(0, str(SERVICES))
+    import redis_cluster as module
+
+    return module
+
+
+@contextlib.contextmanager
+def cluster_keys(cluster: Any) -> Iterator[Keys]:
+    """A key prefix of its own on ``cluster`` (a running LocalCluster), seen
+    through a synchronous ``redis.RedisCluster``; its keys deleted at the end."""
+    seed = cluster.live()[0]
+    client = redis.RedisCluster(host="127.0.0.1", port=seed.port)
+    keys = Keys(client, f"t{uuid.uuid4().hex[:12]}", cluster.url())
+    try:
+        yield keys
+    finally:
+        try:
+            keys.wipe()
+        finally:
+            client.close()
 
 
 class KafkaNames:

@@ -41,9 +41,12 @@ from backends import (
     REDIS,
     SQS,
     Keys,
+    cluster_keys,
+    free_port,
     kafka_mock,
     kafka_reachable,
     localstack,
+    redis_cluster,
     scratch_vhost,
     sqs_healthy,
 )
@@ -130,7 +133,14 @@ def service_missing(what: str, exc: BaseException) -> None:
 @pytest.fixture(scope="session")
 def pg_server_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this test session."""
-    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
+    with pg_database() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def pg_database(prefix: str = "duebox_test") -> Iterator[str]:
+    """A new, empty PostgreSQL database (no tables), dropped at the end."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
@@ -233,6 +243,29 @@ def redis_keys() -> Iterator[Keys]:
             yield k
         finally:
             k.wipe()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A Redis Cluster of this session's own (3 primaries, 3 replicas, on
+    free ports: tests/services/redis_cluster.py), started on first use and
+    stopped at the end.  A test that kills a node starts it again before
+    it ends (``LocalCluster.restart``): the next test finds 3 + 3."""
+    import shutil
+
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        service_missing("redis-server and redis-cli (Debian's redis-server package)",
+                        RuntimeError("not on PATH"))
+    with redis_cluster().LocalCluster.started(tmp_path_factory.mktemp("redis-cluster"),
+                                              free_port) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster_keys(redis_cluster_nodes: Any) -> Iterator[Keys]:
+    """:func:`redis_keys` on this session's Redis Cluster."""
+    with cluster_keys(redis_cluster_nodes) as keys:
+        yield keys
 
 
 @pytest.fixture(scope="session")

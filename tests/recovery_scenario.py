@@ -15,6 +15,11 @@ should run has succeeded and reads the tables:
   nothing early, no cancelled job run;
 * how many effects *outside* the database ran twice (the external log):
   the at-least-once part a crash repeats.
+
+On a Redis Cluster of the run's own (``redis_cluster``, :func:`failing_cluster`)
+the primary serving the queue is killed with them (kill -9) and its replica
+takes over: the failover's time is measured too, and the lateness promise
+then counts from the failover's end.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -46,7 +51,9 @@ from backends import (
     KafkaNames,
     Procs,
     Queues,
+    free_port,
     poll,
+    redis_cluster,
     scratch_vhost,
     with_params,
 )
@@ -59,6 +66,8 @@ from duebox.tables import attempt, job, lease
 
 LAUNCHER = Path(__file__).parent / "procs" / "recovery_proc.py"
 BACKENDS = ("sql", "redis", "amqp", "sqs", "kafka")
+# The run's own cluster, a primary killed at the kill time (failing_cluster).
+CLUSTER = "redis_cluster"
 
 
 # --- where things run ----------------------------------------------------------------
@@ -95,6 +104,34 @@ def broker_for(backend: str, kafka: str = KAFKA) -> Iterator[str]:
         yield KafkaNames(kafka).url()
     else:
         raise ValueError(f"backend: one of {', '.join(BACKENDS)} (got {backend!r})")
+
+
+@dataclass
+class FailingCluster:
+    """A Redis Cluster's broker URL, and ``fail()``: kill -9 the primary
+    serving the scenario's queue and wait for its replica to take over
+    (returns the seconds from the kill until every node agrees on it)."""
+
+    url: str
+    fail: Callable[[], float]
+
+
+@contextlib.contextmanager
+def failing_cluster(tmp: Path) -> Iterator[FailingCluster]:
+    """A Redis Cluster of this run's own (3 primaries, 3 replicas), stopped
+    at the end."""
+    with redis_cluster().LocalCluster.started(tmp / "redis-cluster", free_port) as cluster:
+        prefix = f"rec{uuid.uuid4().hex[:8]}"
+        ready = f"{prefix}:{{default}}:ready"
+
+        def fail() -> float:
+            primary = cluster.primary_of(ready)
+            started = time.monotonic()
+            cluster.kill(primary)
+            cluster.wait_failover(primary, ready)
+            return time.monotonic() - started
+
+        yield FailingCluster(cluster.url(prefix=prefix), fail)
 
 
 @contextlib.contextmanager
@@ -206,6 +243,7 @@ class Outcome:
     external_repeats: int  # handler calls outside the database that ran again
     kill_at: datetime
     notes: list[str] = field(default_factory=list)
+    failover: float = 0.0  # seconds from a primary's kill to its replica serving
 
     @property
     def max_lateness(self) -> float:
@@ -218,7 +256,8 @@ class Outcome:
                 f"lateness from max(due, kill) p50 {p(0.5):.2f} s, p99 {p(0.99):.2f} s, "
                 f"max {self.max_lateness:.2f} s; double {self.double_effects}, "
                 f"early {self.early}, cancelled ran {self.cancelled_ran}, "
-                f"external repeats {self.external_repeats}")
+                f"external repeats {self.external_repeats}"
+                + (f"; failover {self.failover:.2f} s" if self.failover else ""))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -228,8 +267,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def run(database_url: str, broker_url: str, backend: str, tmp: Path, *, jobs: int = 300,
         spread: float = 4.0, kill_after: float = 2.0, seed: int = 18,
-        settings: str = "", wait: float = 90.0) -> Outcome:
-    """Run the scenario once (processes started and stopped here)."""
+        settings: str = "", wait: float = 90.0,
+        at_kill: Callable[[], float] | None = None) -> Outcome:
+    """Run the scenario once (processes started and stopped here).
+    ``at_kill``: what else fails at the kill time (``FailingCluster.fail``);
+    its seconds are the outcome's ``failover``."""
     rng = random.Random(seed)
     tmp.mkdir(parents=True, exist_ok=True)
     app = duebox.Duebox(database_url, broker_url)
@@ -291,6 +333,7 @@ def run(database_url: str, broker_url: str, backend: str, tmp: Path, *, jobs: in
         fleet.signal(names["w1"], signal.SIGKILL)
         fleet.signal(names["r1"], signal.SIGKILL)
         held = _leased_to(app.engine, [names["w1"], names["r1"]])
+        failover = at_kill() if at_kill is not None else 0.0
         wanted = [i for i in ids if i not in cancelled]
         notes: list[str] = []
         try:
@@ -298,8 +341,10 @@ def run(database_url: str, broker_url: str, backend: str, tmp: Path, *, jobs: in
                  timeout=wait, check=fleet.check, interval=0.2)
         except TimeoutError as exc:
             notes.append(str(exc))
-        return _measure(app.engine, backend, ids, wanted, cancelled, held, kill_at,
-                        fleet.external, notes)
+        out = _measure(app.engine, backend, ids, wanted, cancelled, held, kill_at,
+                       fleet.external, notes)
+        out.failover = failover
+        return out
     finally:
         fleet.stop_all()
         app.dispose()

@@ -300,7 +300,8 @@ def test_a_started_job_given_back_with_its_message_is_not_published_again(
     assert recover(app, 100 + 59, redeliver_after=60).total == 0
     again, why = start(app, msg, "w#2", now=101)  # the message handed back starts it
     assert why == "started"
-    assert again is not None and again.attempt == 1
+    assert again is not None
+    assert again.attempt == 1
 
 
 def test_a_job_whose_broker_kept_its_message_goes_back_to_the_relay(

@@ -4,6 +4,7 @@ never a 500, and nothing is logged at ERROR (or WARNING)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from datetime import timedelta, timezone
@@ -22,7 +23,12 @@ from .wire import get, request
 PAGES = {"/": ["ahead", "flash"], "/jobs": ["q", "queue", "state", "from", "to", "after"],
          "/dlq": ["task", "error_class", "after"], "/schedules": ["after", "flash"],
          "/processes": [], "/schedules/{ref}": ["flash"], "/jobs/{ref}": ["flash"],
-         "/static/{ref}": []}
+         "/static/{ref}": [],
+         # The JSON API: its refusals are JSON objects naming the field.
+         "/api/overview": ["ahead"], "/api/queues": [], "/api/processes": [],
+         "/api/jobs": ["q", "queue", "state", "from", "to", "after", "limit"],
+         "/api/jobs/{ref}": [], "/api/dlq": ["task", "error_class", "after", "limit"],
+         "/api/schedules": ["after", "limit"], "/api/schedules/{ref}": []}
 # What makes a value hostile: NUL, invalid UTF-8 (a stray byte, an encoded
 # surrogate, an overlong NUL), control characters (ESC, DEL, C1 NEL, CRLF),
 # an RTL override, and sizes past the field limit.
@@ -104,6 +110,9 @@ def test_no_query_makes_a_server_error(server: DashboardServer, path: str,
     reply = request(server.url, get(path), timeout=30)
     assert reply.status in (200, 303, 400, 404, 431), (path, reply.status, reply.body[-300:])
     assert _quiet(caplog) == [], path
+    if path.startswith("/api/") and reply.status != 431:
+        assert reply.headers["content-type"] == "application/json", path
+        json.loads(reply.body)
 
 
 @settings(max_examples=100, deadline=None,

@@ -10,7 +10,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from urllib.parse import urlencode
 
 import pytest
 import sqlalchemy as sa
-from conftest import PG_ADMIN_URL, reset_tables, service_missing
+from conftest import pg_database, reset_tables
 
 from duebox.dashboard.server import Limits
 
@@ -149,22 +148,9 @@ def test_other_loopback_addresses(seeded: Seeded, tmp_path: Path, host: str) -> 
 def own_pg() -> Iterator[str]:
     """A migrated PostgreSQL database of this test's own (the session's is
     seeded for the other tests of this module)."""
-    name = f"duebox_test_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:
-        admin.dispose()
-        service_missing("PostgreSQL", exc)
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
-    try:
+    with pg_database() as url:
         reset_tables(url)
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.mark.postgres

@@ -56,7 +56,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 # tests/conftest.py's fixtures that reach a service, or a database server.
 SERVICE_FIXTURES = ("pg_server_url", "mariadb_server_url", "server_url", "database_url",
                     "database_url_all", "redis_keys", "amqp_vhost", "sqs_endpoint",
-                    "kafka_bootstrap")
+                    "kafka_bootstrap", "redis_cluster_nodes", "redis_cluster_keys")
 
 
 def _refused(name: str) -> Any:

@@ -31,6 +31,16 @@ def test_each_parameter_lands_in_its_field_and_the_rest_go_to_redis_py() -> None
     ("redis://h?group=a%20b", "group must be a non-empty name"),
     ("redis://h?horizon=-1", "horizon must be a number of seconds >= 0"),
     ("redis://h?claim_idle=0.01", "claim_idle must be a number of seconds >= 0.1"),
+    ("redis://h?cluster=maybe", "cluster must be true or false"),
+    ("redis://a:1,b:2?cluster=0", "several hosts are the seeds of a Redis Cluster"),
+    ("redis://a:1,b:x", "'b:x' is not a host[:port]"),
+    ("redis://a:1,,b:2", "'' is not a host[:port]"),
+    ("redis://h/2?cluster=1", "a Redis Cluster has database 0 only"),
+    ("redis://a:1,b:2/1", "a Redis Cluster has database 0 only"),
+    # A connection parameter RedisCluster does not take would fail at the
+    # first connection with a TypeError.
+    ("redis://h?cluster=1&retry_on_timeout=1",
+     "unknown parameter 'retry_on_timeout' for redis://"),
 ])
 def test_a_bad_url_is_refused_naming_the_parameter(url: str, says: str) -> None:
     with pytest.raises(ConfigurationError) as refused:
@@ -49,3 +59,15 @@ def test_a_queues_keys_share_one_hash_tag() -> None:
     assert keys == Keys("app:{mail}:due", "app:{mail}:msg", "app:{mail}:ready",
                         "app:{mail}:held", "app:{mail}:wake")
     assert Keys.of("app", "sms") != keys
+
+
+def test_a_cluster_by_its_flag_or_by_several_hosts() -> None:
+    one = RedisSettings.from_url("redis://h:7000?cluster=yes&prefix=app")
+    assert (one.cluster, one.seeds, one.prefix) == (True, (("h", 7000),), "app")
+    assert one.client_url == "redis://h:7000"
+    many = RedisSettings.from_url("redis://:pw@a:7000,b,[::1]:7002/0?socket_timeout=3")
+    assert many.cluster
+    assert many.seeds == (("a", 7000), ("b", 6379), ("::1", 7002))
+    # redis-py's URL names one host; the others become its startup nodes.
+    assert many.client_url == "redis://:pw@a:7000/0?socket_timeout=3"
+    assert not RedisSettings.from_url("redis://h?cluster=0").cluster

@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from duebox import ValidationError
-from duebox.dashboard.inputs import MAX_FIELD, MAX_FIELDS, decode_form, decode_target
+from duebox.dashboard.inputs import (
+    MAX_FIELD,
+    MAX_FIELDS,
+    checked_root,
+    decode_form,
+    decode_target,
+)
 
 
 def test_path_and_query_are_percent_decoded() -> None:
@@ -55,3 +61,23 @@ def test_any_target_decodes_or_is_refused_naming_a_field(text: str) -> None:
         for value in (path, *query, *query.values()):
             assert len(value) <= MAX_FIELD
             assert not any(ord(c) < 32 or 0x7F <= ord(c) <= 0x9F for c in value)
+
+
+@pytest.mark.parametrize(("root", "clean"), [
+    ("", ""), ("/", ""), ("/duebox", "/duebox"), ("/duebox/", "/duebox"),
+    ("/ops/duebox-1.2_x~", "/ops/duebox-1.2_x~"),
+])
+def test_a_mount_prefix_is_kept_without_its_last_slash(root: str, clean: str) -> None:
+    assert checked_root(root) == clean
+
+
+@pytest.mark.parametrize("root", [
+    "//evil.example", "/a//b", "/a/../b", "/..", "/.", "/a/./b", "duebox", "/a b", "/é",
+    '/"><script>', "/a\r\nSet-Cookie:x", "/a%2Fb", "/" + "a" * 101, "/a" * 101,
+])
+def test_a_mount_prefix_that_is_no_plain_path_is_refused(root: str) -> None:
+    """It starts every link and the cookie's Path: another site (``//``),
+    a step up, or anything a link or header would have to escape is refused."""
+    with pytest.raises(ValidationError) as refused:
+        checked_root(root)
+    assert refused.value.field == "mount prefix"
