@@ -11,6 +11,7 @@ from typing import Any
 from duebox import Duebox
 from duebox.inspect import JobDetail, JobView, find_job, load_job, locator, where_now
 from duebox.masking import Masked, masked
+from duebox.results import loaded
 from duebox.values import shown
 
 
@@ -66,6 +67,11 @@ def render_job(app: Duebox, detail: JobDetail, now: datetime,
     payload = (f"({m.note})" if m.hidden
                else json.dumps(m.payload, sort_keys=True)[:2000])
     lines.append(f"  payload {shown(payload)}")
+    if detail.result_text is not None:
+        # Masked like the payload (duebox.results): always shown, it is short.
+        kept = m.value(loaded(detail.result_text))
+        result = f"({m.note})" if m.hidden else json.dumps(kept, sort_keys=True)[:2000]
+        lines.append(f"  result {shown(result)}")
     if m.note and not m.hidden:  # a hidden payload's line says why already
         lines.append(f"  ({m.note})")
     lines.append("timeline")

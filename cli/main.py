@@ -108,11 +108,15 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
 @click.option("--queue", "queues", envvar="DUEBOX_QUEUES", multiple=True,
               help="Queue to consume (repeatable; default: every registered task's queue). "
                    "[env DUEBOX_QUEUES, space-separated]")
+@click.option("--log-jobs/--no-log-jobs", envvar="DUEBOX_LOG_JOBS", default=None,
+              help="One log line per finished job (logger duebox.jobs, INFO): task, id, "
+                   "attempt, run time, start lateness, outcome. [env DUEBOX_LOG_JOBS, "
+                   "default off]")
 @processes_option
 def worker(app_spec: str | None, database_url: str | None, broker_url: str | None,
            metrics_port: int | None, metrics_host: str,
            concurrency: int | None, group_commit: int | None,
-           queues: tuple[str, ...], processes: int | None) -> None:
+           queues: tuple[str, ...], log_jobs: bool | None, processes: int | None) -> None:
     """Run handlers for delivered jobs: one worker process per CPU by default
     (docs/worker.md, "How many worker processes")."""
     from duebox.consumers import Worker
@@ -122,6 +126,7 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     if not app.tasks:
         raise click.UsageError("--app: the app registers no tasks; a worker would do nothing")
+    app.configure(log_jobs=log_jobs)
     w = Worker(app, queues=list(queues) or None, concurrency=concurrency,
                group_commit=group_commit)  # one line when it starts, one when it stops
     count = processes or cpu_count()
@@ -140,7 +145,7 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
         options = {**click.get_current_context().find_root().params, "app_spec": app_spec,
                    "database_url": database_url, "broker_url": broker_url,
                    "concurrency": concurrency, "group_commit": group_commit,
-                   "queues": queues}
+                   "queues": queues, "log_jobs": app.settings.log_jobs}
         run_processes(count, options, metrics_port, metrics_host)
         return
     serve_metrics(metrics_port, metrics_host)

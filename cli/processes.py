@@ -91,6 +91,8 @@ def child_command(options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
             flag = "--app" if name == "app_spec" else "--" + name.replace("_", "-")
             args.append(f"{flag}={options[name]}")
     args += [f"--queue={q}" for q in options["queues"]]
+    if options.get("log_jobs"):
+        args.append("--log-jobs")
     env = {k: v for k, v in os.environ.items()
            if k not in ("DUEBOX_METRICS_PORT", "DUEBOX_METRICS_HOST")}  # the supervisor's
     for name in ("database_url", "broker_url"):

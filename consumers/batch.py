@@ -396,8 +396,11 @@ class Batch:
         item.ran = True
         began = time.monotonic()
         self.running = Running(item, gate, control, began)
-        error = call_handler(item.task, item.rec.payload,
-                             job_context(item.rec, session, self.shared.worker, control), session)
+        # A task that keeps its result never runs in a batch (it does not
+        # group): the return value is not wanted here.
+        error, _ = call_handler(item.task, item.rec.payload,
+                                job_context(item.rec, session, self.shared.worker, control),
+                                session)
         attachment = gate.finish()
         self.running = None
         self.shared.policy.ran(item.task.name, time.monotonic() - began, batched=True)

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from duebox import dlq, jobstore
+from duebox import dlq, jobstore, results
 from duebox.clock import wait_until
 from duebox.db import SQLITE_DEFERRED, db_errors
-from duebox.errors import DatabaseError, LeaseLostError
+from duebox.errors import DatabaseError, LeaseLostError, ValidationError
 from duebox.failures import (
     FailureClass,
     HandlerAbortError,
@@ -85,6 +85,15 @@ class _Duplicate(Exception):
     def __init__(self, outcome: Outcome) -> None:
         super().__init__("duplicate")
         self.outcome = outcome
+
+
+class _BadResult(Exception):
+    """Raised inside an async handler's transaction to roll it back: its
+    return value cannot be kept (duebox.results)."""
+
+    def __init__(self, error: ValidationError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class RunStatus(StrEnum):
@@ -212,6 +221,9 @@ class Execution:
                     self.cancelled = True
         except _Duplicate:
             return await self.pools.db(self._close_duplicate)
+        except _BadResult as bad:  # its transaction was rolled back on the way out
+            return await self.pools.db(self.settle, Verdict(FailureClass.PERMANENT),
+                                       error_line(bad.error), bad.error)
         except LeaseLostError:
             log.warning("job %s: lease lost before completion; its writes were rolled back",
                         self.rec.id)
@@ -239,18 +251,28 @@ class Execution:
                 wait_until(self.app.clock, self.rec.due_at)
             self.started = self.app.clock.now()
             self.began = time.monotonic()
-            error = call_handler(self.task, self.rec.payload, self.context(session), session)
+            error, value = call_handler(self.task, self.rec.payload, self.context(session),
+                                        session)
             self.handler_seconds = time.monotonic() - self.began
-            return self.finish(session, error)
+            return self.finish(session, error, value)
 
-    def finish(self, session: HandlerSession, error: BaseException | None) -> Outcome:
+    def finish(self, session: HandlerSession, error: BaseException | None,
+               value: Any = None) -> Outcome:
         """In the handler's thread, once it returned (``error``: what it
-        raised): complete the job in the handler's transaction — the dedupe
-        row and the fenced completion, then the commit — or roll that
+        raised, ``value``: what it returned): complete the job in the
+        handler's transaction — the dedupe row, the fenced completion and
+        the result its task keeps, then the commit — or roll that
         transaction back and record the failure.  Also how a handler a batch
         let go finishes (consumers/batch.py): its session then has a
         transaction of its own, or none yet."""
         if error is None:
+            try:
+                kept = self._kept(value)
+            except ValidationError as exc:
+                # Not JSON, or too large: it would be so again (a permanent failure).
+                with contextlib.suppress(Exception):
+                    session.rollback()
+                return self.settle(Verdict(FailureClass.PERMANENT), error_line(exc), exc)
             try:
                 conn = session.connection()
                 session.check_rules(conn)
@@ -258,7 +280,7 @@ class Execution:
                 # go through the connection: Session.execute would treat the
                 # completion's SELECT as an ORM query and cost several times more.
                 session.flush()
-                outcome = run_steps(self._finish_steps(), conn.execute)
+                outcome = run_steps(self._finish_steps(kept), conn.execute)
                 if outcome.status is RunStatus.DUPLICATE:
                     session.rollback()  # seen before: this run's writes must not count
                     return self._close_duplicate()
@@ -283,7 +305,7 @@ class Execution:
             rules.handler_runs = True
             self.began = time.monotonic()
             try:
-                await self.task.fn(self.rec.payload, self.context(session))
+                value = await self.task.fn(self.rec.payload, self.context(session))
             except BaseException as exc:
                 # SystemExit & co. from the handler's own code fail the attempt;
                 # a cancellation (the task's timeout) is the loop's.
@@ -293,7 +315,11 @@ class Execution:
             finally:
                 rules.handler_runs = False
             rules.check_rules()
-            steps = self._finish_steps()
+            try:
+                kept = self._kept(value)
+            except ValidationError as exc:
+                raise _BadResult(exc) from exc
+            steps = self._finish_steps(kept)
             try:
                 stmt, params = next(steps)
                 while True:
@@ -301,9 +327,19 @@ class Execution:
             except StopIteration as done:
                 return _not_duplicate(done.value)
 
-    def _finish_steps(self) -> Generator[tuple[Any, dict[str, Any]], Any, Outcome]:
+    def _finish_steps(self, kept: results.Kept | None = None
+                      ) -> Generator[tuple[Any, dict[str, Any]], Any, Outcome]:
         return finish_steps(self.app.engine.dialect.name, self.dedupe, self.rec,
-                            self.app.clock.now())
+                            self.app.clock.now(), kept)
+
+    def _kept(self, value: Any) -> results.Kept | None:
+        """The handler's return value as its task keeps it (None: it keeps
+        none); a :class:`ValidationError` naming ``result`` if it cannot."""
+        if not self.task.store_result:
+            return None
+        settings = self.app.settings
+        return results.Kept(results.check_result(value, settings.max_result_bytes),
+                            self.task.result_ttl or settings.result_ttl)
 
     def _close_duplicate(self) -> Outcome:
         """The job's effect was already committed under this id: finish the
@@ -339,25 +375,29 @@ class Execution:
 
 
 def finish_steps(dialect: str, dedupe: SQLDedupeStore, rec: jobstore.JobRecord,
-                 now: datetime) -> Generator[tuple[Any, dict[str, Any]], Any, Outcome]:
+                 now: datetime, kept: results.Kept | None = None
+                 ) -> Generator[tuple[Any, dict[str, Any]], Any, Outcome]:
     """After the handler, in its transaction: the dedupe row, then the
-    fenced completion, as statements to execute (each result is sent back).
-    The dedupe row comes last so that on SQLite the write lock is taken at
-    the handler's first write, not before it runs."""
+    fenced completion, then the result its task keeps (``kept``), as
+    statements to execute (each result is sent back).  The dedupe row comes
+    last so that on SQLite the write lock is taken at the handler's first
+    write, not before it runs."""
     if dialect == "postgresql":
         claimed, completed, _ = (yield dedupe.claim_and_complete(rec, now)).one()
         if not claimed:
             return Outcome(RunStatus.DUPLICATE)
         if not completed:
             raise LeaseLostError(f"job {rec.id}: lease lost before completion")
-        return Outcome(RunStatus.SUCCEEDED)
-    first = yield dedupe.claim_bound(dialect, str(rec.id), now)
-    if first.rowcount != 1:
-        return Outcome(RunStatus.DUPLICATE)
-    done = yield jobstore.complete_bound(rec, now)
-    if done.rowcount != 1:
-        raise LeaseLostError(f"job {rec.id}: lease lost before completion")
-    yield jobstore.finish_attempt_bound(rec, now, "succeeded")
+    else:
+        first = yield dedupe.claim_bound(dialect, str(rec.id), now)
+        if first.rowcount != 1:
+            return Outcome(RunStatus.DUPLICATE)
+        done = yield jobstore.complete_bound(rec, now)
+        if done.rowcount != 1:
+            raise LeaseLostError(f"job {rec.id}: lease lost before completion")
+        yield jobstore.finish_attempt_bound(rec, now, "succeeded")
+    if kept is not None:
+        yield results.store(rec.id, kept, now)
     return Outcome(RunStatus.SUCCEEDED)
 
 
@@ -374,21 +414,21 @@ def run_steps(steps: Generator[tuple[Any, dict[str, Any]], Any, Outcome],
 
 
 def call_handler(task: Task, payload: Any, ctx: JobContext,
-                 session: HandlerSession) -> BaseException | None:
+                 session: HandlerSession) -> tuple[BaseException | None, Any]:
     """Call a sync handler with ``session`` as its ``ctx.session`` (its
-    rules enforced while it runs); what it raised, or None.  A
-    ``BaseException`` of its own (``sys.exit()``) fails the attempt like
-    any error: in an executor thread it would otherwise stop the worker."""
+    rules enforced while it runs): what it raised (or None) and what it
+    returned.  A ``BaseException`` of its own (``sys.exit()``) fails the
+    attempt like any error: in an executor thread it would otherwise stop
+    the worker."""
     session.handler_runs = True
     try:
-        task.fn(payload, ctx)
+        return None, task.fn(payload, ctx)
     except Exception as exc:
-        return exc
+        return exc, None
     except BaseException as exc:
-        return _aborted(exc)
+        return _aborted(exc), None
     finally:
         session.handler_runs = False
-    return None
 
 
 def _aborted(exc: BaseException) -> HandlerAbortError:

@@ -54,6 +54,7 @@ from duebox.trouble import log_trouble
 
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
+from .job_lines import JobLines
 from .runner import Runner, Settled
 from .starts import Starts
 from .turns import Turn, Turns
@@ -113,6 +114,7 @@ class Worker:
         metrics: Metrics | None = None,
         heartbeat_interval: float = 5.0,
         group_commit: int | None = None,
+        log_jobs: bool | None = None,
     ) -> None:
         self.app = app
         self.name = name or process_token("worker")
@@ -152,6 +154,8 @@ class Worker:
         self._received = self.metrics.received.labels(self.backend)
         self._by_queue: dict[str, tuple[Any, Any, Any, Any, Any]] = {}
         self._log = CollapsedLog(log)
+        # One line per finished job, when asked (consumers/job_lines.py).
+        self.job_lines = JobLines(app.settings.log_jobs if log_jobs is None else log_jobs)
         self.heartbeat = ProcessHeartbeat(
             app.engine, app.clock, role="worker", name=self.name, interval=heartbeat_interval,
             info=self._info)
@@ -172,6 +176,7 @@ class Worker:
         # The liveness lock and registry row come before the first lease.
         await asyncio.to_thread(self.heartbeat.register)
         await self._warm_up()
+        self.job_lines.start()
         # Everything allocated so far (modules, SQLAlchemy's caches, the app)
         # lives as long as the process: out of the collector's sight, a full
         # collection no longer stops every thread for tens of milliseconds
@@ -541,6 +546,9 @@ class Worker:
             observe_many(end_to_end, [seconds(finished, rec.due_at) for rec, _ in done])
             succeeded.inc(len(done))
             st.succeeded += len(done)
+            if self.job_lines.enabled:
+                for rec, started in done:
+                    self.job_lines.write(rec, RunStatus.SUCCEEDED, started, finished)
 
     def _account(self, rec: jobstore.JobRecord, outcome: Outcome, started: datetime) -> None:
         if outcome.status in (RunStatus.RELEASED, RunStatus.HANDED_BACK):  # never started
@@ -604,6 +612,8 @@ class Worker:
                          started: datetime) -> None:
         m, b, q = self.metrics, self.backend, rec.queue
         finished = self.app.clock.now()
+        if self.job_lines.enabled:
+            self.job_lines.write(rec, outcome.status, started, finished)
         _, _, ran, succeeded, end_to_end = self._queue_metrics(q)
         if outcome.status is not RunStatus.SUCCEEDED:
             ran = m.execution.labels(b, q, outcome.status)

@@ -27,6 +27,7 @@ from .errors import (
     TablesMissingError,
     UnknownTaskError,
     ValidationError,
+    WaitTimeoutError,
 )
 from .failures import Classifier, FailureClass, Permanent, Throttled, Transient
 from .handle import TaskHandle
@@ -116,6 +117,7 @@ __all__ = [
     "Transient",
     "UnknownTaskError",
     "ValidationError",
+    "WaitTimeoutError",
     "Worker",
     "__version__",
     "dedupe",

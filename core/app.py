@@ -20,6 +20,7 @@ from .errors import ConfigurationError, UnknownTaskError, ValidationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
 from .handle import TaskHandle
 from .inspect import JobInfo, record_steps
+from .job_wait import check_timeout, wait, wait_async
 from .periodic import Periodic, declarations
 from .producer import (
     JobOptions,
@@ -126,6 +127,9 @@ class Duebox:
             check_queue_name(routes.url_for(task.queue), task.queue)
         if settings.database_url != self.settings.database_url and self._own_engine:
             self.dispose()
+            # Made for the old database: dropped (an event loop would be
+            # needed to close its connections; aiosqlite's are not pooled).
+            self._async_engine = None
         self.settings = settings
         for name, task in self.tasks.items():
             self.tasks[name] = replace(task, secret_keys=self._secret_keys(task.mask_keys,
@@ -143,6 +147,13 @@ class Duebox:
         if self._engine is None:
             self._engine = create_sync_engine(self.settings.database_url)
         return self._engine
+
+    @property
+    def owns_engine(self) -> bool:
+        """Whether the app made its engine (from ``database_url``), rather
+        than being given one (``engine=``): only then does ``configure``
+        point it at another database."""
+        return self._own_engine
 
     @property
     def async_engine(self) -> AsyncEngine:
@@ -212,6 +223,8 @@ class Duebox:
         group_commit: bool = True,
         schedule: str | Periodic | Sequence[Periodic] | None = None,
         timezone: str | None = None,
+        store_result: bool = False,
+        result_ttl: float | None = None,
     ) -> Callable[[F], TaskHandle[F]]:
         """Register ``fn(payload, ctx)`` (sync or async) as task ``name``.
 
@@ -241,14 +254,24 @@ class Duebox:
         (evaluated in ``timezone``, default UTC) or :class:`Periodic` values;
         relays create, update and retire such schedules when they start (see
         docs/schedules.md, "Schedules as code").
+        ``store_result=True`` keeps what the handler returns, JSON of at most
+        the ``max_result_bytes`` setting, for ``result_ttl`` seconds (default
+        the ``result_ttl`` setting, a day): ``app.get_job(...).result``,
+        ``app.wait_for(job_id)``.  Such a task runs each job in a transaction
+        of its own (no group commit); a result that is not JSON or too large
+        fails the attempt, permanently (duebox.results).
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
         check_queue_name(self.routes.url_for(queue), queue)
         check_task_seconds(timeout=timeout, max_lateness=max_lateness,
                            lease_seconds=lease_seconds)
-        if not isinstance(group_commit, bool):
-            raise ConfigurationError(f"group_commit: must be True or False (got {group_commit!r})")
+        for flag, value in (("group_commit", group_commit), ("store_result", store_result)):
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{flag}: must be True or False (got {value!r})")
+        check_task_seconds(result_ttl=result_ttl)
+        if result_ttl is not None and not store_result:
+            raise ConfigurationError("result_ttl: keeps a result only with store_result=True")
         own_keys = None if mask_keys is None else parse_mask_keys(mask_keys)
         classifier = (classify if isinstance(classify, Classifier)
                       else DEFAULT_CLASSIFIER.extend(classify or {}))
@@ -266,8 +289,12 @@ class Duebox:
                 name=name, fn=handler, queue=queue, max_attempts=max_attempts,
                 retry=retry or RetryPolicy(), lease_seconds=lease_seconds,
                 classifier=classifier, timeout=timeout, validate=validate,
-                max_lateness=max_lateness, mask=mask, group_commit=group_commit,
+                max_lateness=max_lateness, mask=mask,
+                # A result is written with its job's completion, which a
+                # batch's shared statements do not carry: such jobs run alone.
+                group_commit=group_commit and not store_result,
                 mask_keys=own_keys, secret_keys=self._secret_keys(own_keys, self.settings),
+                store_result=store_result, result_ttl=result_ttl,
             )
             # Registering a task again replaces what it declared before.
             for old in [k for k, v in self.declared_schedules.items() if v.task == name]:
@@ -523,6 +550,33 @@ class Duebox:
         that starts several ids."""
         dialect_of(session)
         return self._drive(session, "app.get_job", record_steps(id_or_key))
+
+    def wait_for(self, id_or_key: uuid.UUID | str, *, timeout: float = 60.0) -> JobInfo:
+        """Wait until the job has ended (SUCCEEDED, DEAD, CANCELLED, EXPIRED,
+        or DELIVERED to a consumer of your own) and return it as
+        :meth:`get_job` does, its ``result`` included; raises
+        :class:`WaitTimeoutError` (a :class:`DueboxError`) after ``timeout``
+        seconds of real time.  Reads the job every 10 ms at first, every
+        half second after a few seconds, each time in a transaction of its
+        own on ``app.engine`` (core/job_wait.py)."""
+        seconds = check_timeout(timeout)
+
+        def read() -> JobInfo:
+            with self.engine.connect() as conn:
+                return self.get_job(conn, id_or_key)
+
+        return wait(read, id_or_key, seconds)
+
+    async def wait_for_async(self, id_or_key: uuid.UUID | str, *,
+                             timeout: float = 60.0) -> JobInfo:  # noqa: ASYNC109 - Celery's word
+        """:meth:`wait_for` in an event loop, on ``app.async_engine``."""
+        seconds = check_timeout(timeout)
+
+        async def read() -> JobInfo:
+            async with self.async_engine.connect() as conn:
+                return await self.get_job(conn, id_or_key)
+
+        return await wait_async(read, id_or_key, seconds)
 
     def _drive(self, session: Target, action: str, steps: Steps[T]) -> T | Awaitable[T]:
         """Run the producer's ``steps`` on the caller's ``session``; the first

@@ -97,6 +97,7 @@ class DatabaseClock:
         self.base = base or SystemClock()
         self._offset = timedelta(0)
         self._readings: list[tuple[float, timedelta]] = []
+        self._source: object = None
 
     @property
     def offset(self) -> timedelta:
@@ -108,10 +109,18 @@ class DatabaseClock:
     async def sleep(self, seconds: float) -> None:
         await self.base.sleep(seconds)
 
-    def observe(self, before: datetime, server: datetime, after: datetime) -> None:
+    def observe(self, before: datetime, server: datetime, after: datetime,
+                source: object = None) -> None:
         """Record one reading: ``server`` was read between the local instants
-        ``before`` and ``after``."""
+        ``before`` and ``after``, on the server ``source`` identifies.  A
+        reading from another server than the last (a standby promoted behind
+        a multi-host URL) replaces the readings kept: the old server's clock
+        says nothing about the new one's, and one of them with a shorter
+        round trip would otherwise be followed for up to four more beats —
+        early by the difference if the new server's clock is behind."""
         server = as_utc(server)
+        if source != self._source:
+            self._readings, self._source = [], source
         rtt = (after - before).total_seconds()
         self._readings = [*self._readings[-(self._KEEP - 1):], (rtt, server - after)]
         self._offset = min(self._readings, key=lambda r: r[0])[1]
@@ -121,10 +130,12 @@ class DatabaseClock:
         server_now = server_now_sql(conn.dialect.name)
         if server_now is None:
             return
+        source_sql = server_source_sql(conn.dialect.name)
+        source = None if source_sql is None else conn.execute(source_sql).scalar()
         before = self.base.now()
         server = conn.execute(server_now).scalar_one()
         after = self.base.now()
-        self.observe(before, server, after)
+        self.observe(before, server, after, source)
 
 
 def as_utc(server: datetime) -> datetime:
@@ -140,6 +151,18 @@ def server_now_sql(dialect: str) -> TextClause | None:
         return text("SELECT clock_timestamp()")
     if dialect in ("mysql", "mariadb"):
         return text("SELECT UTC_TIMESTAMP(6)")
+    return None
+
+
+def server_source_sql(dialect: str) -> TextClause | None:
+    """The query for what tells this database server from another (None
+    without a server): a promoted standby, or the same server restarted,
+    answers differently."""
+    if dialect == "postgresql":
+        return text("SELECT concat_ws(' ', pg_postmaster_start_time(), inet_server_addr(), "
+                    "inet_server_port())")
+    if dialect in ("mysql", "mariadb"):
+        return text("SELECT CONCAT_WS(' ', @@hostname, @@port)")
     return None
 
 

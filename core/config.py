@@ -78,6 +78,15 @@ class Settings:
     # one of these words, ignoring case, "_" and "-" (duebox.secret_keys).
     # A list, a comma-separated string, or "none"; a task may name its own.
     mask_keys: tuple[str, ...] | str = DEFAULT_MASK_KEYS
+    # One log line per finished job (logger ``duebox.jobs``, INFO): task,
+    # id, attempt, run time, start lateness, outcome.  Off by default: at
+    # thousands of jobs a second the lines cost (docs/observability.md).
+    log_jobs: bool = False
+    # Results of tasks with store_result=True (duebox.results): the most a
+    # result may weigh, in bytes of JSON, and how long it is kept after the
+    # job finished unless the task says otherwise (then relays delete it).
+    max_result_bytes: int = 64 * 1024
+    result_ttl: float = 86_400.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mask_keys", parse_mask_keys(self.mask_keys))
@@ -89,8 +98,9 @@ class Settings:
         _positive_int("concurrency", self.concurrency, upper=10_000)
         _positive_int("group_commit", self.group_commit, upper=1_000)
         _positive_int("max_payload_bytes", self.max_payload_bytes, upper=512 * 1024 * 1024)
+        _positive_int("max_result_bytes", self.max_result_bytes, upper=512 * 1024 * 1024)
         for name in ("poll_interval", "lease_seconds", "redeliver_after", "catchup_rate",
-                     "catchup_after", "misfire_grace"):
+                     "catchup_after", "misfire_grace", "result_ttl"):
             value = getattr(self, name)
             if not _finite(value) or not 0 < value <= _MOST:
                 raise ConfigurationError(
@@ -98,6 +108,8 @@ class Settings:
         if not _finite(self.clock_skew_margin) or not 0 <= self.clock_skew_margin <= _MOST:
             raise ConfigurationError(f"clock_skew_margin: must be a number from 0 to {_MOST:.0f} "
                                      f"(got {self.clock_skew_margin!r})")
+        if not isinstance(self.log_jobs, bool):
+            raise ConfigurationError(f"log_jobs: must be True or False (got {self.log_jobs!r})")
         if self.removed_schedules not in REMOVED_SCHEDULES:
             raise ConfigurationError(
                 "removed_schedules: must be one of " + ", ".join(REMOVED_SCHEDULES)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -40,7 +41,37 @@ log = logging.getLogger("duebox.db")
 NOTIFY_CHANNEL = "duebox_jobs"
 
 
+# libpq's multi-host form, ``scheme://[user[:password]@]h1[:p1],h2[:p2]/...``:
+# the user and password as SQLAlchemy reads them (the user up to ':' or '/',
+# the password up to the first '@'), then a host list holding a comma.
+_HOST_LIST = re.compile(
+    r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://(?:[^:/@]*(?::[^@]*)?@)?)"
+    r"(?P<hosts>[^/?#@]*,[^/?#@]*)(?P<tail>[/?].*)?$", re.DOTALL)
+
+
+def _host_list_as_query(url: str) -> str:
+    """libpq's ``h1:p1,h2:p2`` host list (what PostgreSQL's documentation
+    and most failover guides give) as SQLAlchemy's ``?host=h1:p1&host=h2:p2``,
+    which SQLAlchemy's own URL parser reads (it takes ``p1,h2:p2`` for a
+    port) and hands to psycopg as the same host list."""
+    found = _HOST_LIST.match(url)
+    if found is None or not url.startswith("postgres"):
+        return url
+    hosts = []
+    for entry in found["hosts"].split(","):
+        host, _, port = entry.partition(":")
+        if not host or "[" in entry or (port and not port.isdigit()):
+            raise ConfigurationError(
+                f"database_url: {redacted(url)}: each entry of a host list must be "
+                f"host or host:port with a numeric port, and no IPv6 address (got {entry!r})")
+        hosts.append(f"host={entry}")
+    path, _, query = (found["tail"] or "/").partition("?")
+    return found["head"] + path + "?" + "&".join([*hosts, *([query] if query else [])])
+
+
 def parse_database_url(url: str | URL) -> URL:
+    if isinstance(url, str):
+        url = _host_list_as_query(url)
     try:
         parsed = make_url(url)
     except (sa_exc.ArgumentError, ValueError) as exc:
@@ -398,6 +429,21 @@ def insert_if_absent(
     return stmt.execution_options(preserve_rowcount=True)
 
 
+def libpq_conninfo(url: URL) -> str:
+    """A PostgreSQL URL as the connection string a psycopg connection of
+    duebox's own takes (the LISTEN connection): what SQLAlchemy's engine
+    would pass, every host of a multi-host URL and every query parameter
+    (``target_session_attrs``) included.  The URL's own text does not serve:
+    SQLAlchemy's ``host=h1:p1&host=h2:p2`` is SQLAlchemy's form, and libpq
+    reads ``h1:p1`` as a host name."""
+    from psycopg.conninfo import make_conninfo
+
+    url = parse_database_url(url)
+    _, params = url.get_dialect()().create_connect_args(url)
+    params.pop("context", None)  # psycopg's adapters: not part of the address
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
+
+
 class PgWaker:
     """Wakes a sleeper when a producer NOTIFYs (best effort; polling stays).
 
@@ -438,7 +484,7 @@ class PgWaker:
             import psycopg
         except ImportError:
             return
-        dsn = self._url.set(drivername="postgresql").render_as_string(hide_password=False)
+        dsn = libpq_conninfo(self._url)
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:

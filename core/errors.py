@@ -23,7 +23,8 @@ original chained as ``__cause__``::
     └── JobStateError             the job is not in a state that allows the action
         ├── JobNotFoundError
         ├── LeaseLostError        a fenced write matched no row: another owner moved on
-        └── NotDueError           your own consumer handed a message over before its due time
+        ├── NotDueError           your own consumer handed a message over before its due time
+        └── WaitTimeoutError      app.wait_for(): the job had not ended within the timeout
 """
 
 from __future__ import annotations
@@ -180,3 +181,17 @@ class NotDueError(JobStateError):
         self.seconds = seconds
         super().__init__(f"job {job_id}: not due until {due_at} ({seconds:.3f} s from now); "
                          "hold or requeue its message until then")
+
+
+class WaitTimeoutError(JobStateError, TimeoutError):
+    """:meth:`Duebox.wait_for` gave up: the job had not ended within
+    ``timeout`` seconds.  ``job`` is the job as last read (a
+    :class:`~duebox.JobInfo`): where it was when the wait ended."""
+
+    def __init__(self, job_id: object, timeout: float, job: object) -> None:
+        self.job_id = job_id
+        self.timeout = timeout
+        self.job = job
+        state = getattr(job, "state", None)
+        super().__init__(f"job {job_id}: not finished within {timeout:g} s "
+                         f"(still {state})")

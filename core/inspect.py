@@ -22,7 +22,8 @@ from sqlalchemy import Connection, Engine, select
 from .db import db_errors
 from .errors import AmbiguousJobError, DueboxError, JobNotFoundError, ValidationError
 from .recovery import EnqueuedRef
-from .states import JobState
+from .results import loaded, read_stmt
+from .states import FINAL_STATES, JobState
 from .tables import attempt, audit, job
 
 R = TypeVar("R")
@@ -41,7 +42,10 @@ class JobInfo:
 
     ``attempts`` counts the executions started so far; ``last_error`` is the
     latest failure's ``Class: message`` (unmasked: this is the app's own
-    code reading its own data)."""
+    code reading its own data).  ``result``: what the handler returned, for
+    a task with ``store_result=True`` until its ``result_ttl`` has passed
+    (unmasked, as ``last_error``); ``has_result`` tells a kept ``None``
+    from none kept."""
 
     id: uuid.UUID
     task: str
@@ -57,6 +61,15 @@ class JobInfo:
     finished_at: datetime | None
     last_error: str | None
     error_class: str | None
+    result: Any = None
+    has_result: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job has ended (SUCCEEDED, DEAD, CANCELLED, EXPIRED, or
+        DELIVERED to a consumer of your own): what :meth:`Duebox.wait_for`
+        waits for."""
+        return self.state in FINAL_STATES
 
 
 @dataclass(frozen=True)
@@ -86,13 +99,15 @@ class JobView:
     last_error: str | None
     error_class: str | None
 
-    def record(self) -> JobInfo:
+    def record(self, result_text: str | None = None) -> JobInfo:
+        """As :class:`JobInfo`, with the result's JSON text if one is kept."""
         return JobInfo(
             id=self.id, task=self.task, queue=self.queue, state=JobState(self.state),
             due_at=self.due_at, attempts=self.attempt, max_attempts=self.max_attempts,
             version=self.version, key=self.key, tenant=self.tenant,
             created_at=self.created_at, finished_at=self.finished_at,
-            last_error=self.last_error, error_class=self.error_class)
+            last_error=self.last_error, error_class=self.error_class,
+            result=loaded(result_text), has_result=result_text is not None)
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,9 @@ class JobDetail:
     job: JobView
     attempts: list[AttemptView]  # oldest first
     audits: list[AuditView]  # oldest first
+    # The result's JSON text, for a task that keeps it (duebox.results);
+    # None: none kept.  Shown masked (duebox.masking).
+    result_text: str | None = None
 
     def timeline(self) -> list[TimelineEvent]:
         return timeline(self.job)
@@ -222,7 +240,9 @@ def record_steps(ref: object) -> Reads[JobInfo]:
     row = (yield select(*_VIEW_COLUMNS).where(job.c.id == jid)).first()
     if row is None:  # purged between the two reads
         raise JobNotFoundError(jid)
-    return _from_row(JobView, row).record()
+    view = _from_row(JobView, row)
+    kept = (yield read_stmt(jid)).scalar() if view.state == JobState.SUCCEEDED else None
+    return view.record(kept)
 
 
 def run_reads(conn: Connection, steps: Reads[R]) -> R:
@@ -300,10 +320,12 @@ def load_job(engine: Engine, job_id: uuid.UUID, cap: int = DETAIL_CAP) -> JobDet
         audits = conn.execute(
             select(audit).where(audit.c.job_id == job_id).order_by(audit.c.at.desc()).limit(cap)
         ).all()
+        kept = conn.execute(read_stmt(job_id)).scalar()
     return JobDetail(_from_row(JobView, row),
                      sorted((_from_row(AttemptView, a) for a in attempts),
                             key=lambda a: a.started_at),
-                     sorted((_from_row(AuditView, a) for a in audits), key=lambda a: a.at))
+                     sorted((_from_row(AuditView, a) for a in audits), key=lambda a: a.at),
+                     kept)
 
 
 # --- where the job is now ---------------------------------------------------------------

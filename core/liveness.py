@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -42,6 +43,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
+from .clock import server_source_sql
 from .trouble import log_trouble
 
 log = logging.getLogger("duebox.liveness")
@@ -58,6 +60,18 @@ KEEP_INTERVAL = 0.25
 # vanished without closing its socket (power-off, partition) loses its
 # session after about idle + interval * count seconds.
 KEEPALIVE = {"idle": 5, "interval": 2, "count": 3}
+# How long the lock connection waits for one host of the database URL: with
+# a multi-host URL, a host that vanished without a word (a primary's machine
+# powered off) costs this much before the next host is tried.
+CONNECT_TIMEOUT = 5
+# After the database server changed under a peer (a standby promoted behind
+# a multi-host URL, or the server restarted: core/clock.server_source_sql
+# answers differently), every session ended at once and every lock is free
+# until its process connects again — which, when the old primary's host
+# does not answer, first waits CONNECT_TIMEOUT on it.  So no verdict for
+# this long after the change was seen: long enough for two hosts that do
+# not answer, then the second look.
+AFTER_SERVER_CHANGE = 2 * CONNECT_TIMEOUT + CONFIRM_AFTER
 
 
 def lock_key(name: str) -> int:
@@ -189,9 +203,10 @@ class SessionLock:
             if self.dialect == "postgresql":
                 args = {"keepalives": 1, "keepalives_idle": KEEPALIVE["idle"],
                         "keepalives_interval": KEEPALIVE["interval"],
-                        "keepalives_count": KEEPALIVE["count"], "connect_timeout": 5}
+                        "keepalives_count": KEEPALIVE["count"],
+                        "connect_timeout": CONNECT_TIMEOUT}
             else:
-                args = {"connect_timeout": 5}
+                args = {"connect_timeout": CONNECT_TIMEOUT}
             self._lock_engine = create_engine(self.engine.url, poolclass=NullPool,
                                               isolation_level="AUTOCOMMIT", connect_args=args)
         return self._lock_engine
@@ -299,17 +314,38 @@ def forget(engine: Engine, name: str) -> None:
 class DeathWatch:
     """A peer's view of which registered processes are dead: a lock found
     free is a suspicion; found free again :data:`CONFIRM_AFTER` later (by
-    this same watcher's monotonic clock: no clock skew enters), a verdict."""
+    this same watcher's monotonic clock: no clock skew enters), a verdict —
+    but none within :data:`AFTER_SERVER_CHANGE` of seeing the database
+    server change (a failover, a restart), which freed every lock at once."""
 
-    def __init__(self, confirm_after: float = CONFIRM_AFTER) -> None:
+    def __init__(self, confirm_after: float = CONFIRM_AFTER,
+                 after_server_change: float = AFTER_SERVER_CHANGE) -> None:
         self.confirm_after = confirm_after
+        self.after_server_change = after_server_change
         self._suspected: dict[str, float] = {}
+        self._server: object = None
+        self._quiet_until = -math.inf
 
     def dead(self, conn: Connection, names: Sequence[str]) -> list[str]:
         """Of the registered ``names``, the confirmed dead."""
-        free = free_names(conn, names)
-        now = time.monotonic()
+        sql = server_source_sql(conn.dialect.name)
+        server = None if sql is None else conn.execute(sql).scalar()
+        return self.verdict(free_names(conn, names), server, time.monotonic())
+
+    def verdict(self, free: set[str], server: object, now: float) -> list[str]:
+        """The confirmed dead, given the names whose lock is ``free`` now, on
+        the database server ``server`` identifies, at monotonic ``now``."""
+        if server != self._server:
+            if self._server is not None:
+                self._quiet_until = now + self.after_server_change
+                log.warning("the database server changed (a failover or a restart): every "
+                            "liveness lock went with it; no process is taken for dead for "
+                            "the next %g s, while each takes its lock again",
+                            self.after_server_change)
+            self._server = server
         self._suspected = {n: self._suspected.get(n, now) for n in free}
+        if now < self._quiet_until:
+            return []
         return [n for n, since in self._suspected.items() if now - since >= self.confirm_after]
 
     def next_look(self) -> float | None:
@@ -317,9 +353,9 @@ class DeathWatch:
         if not self._suspected:
             return None
         now = time.monotonic()
-        return max(0.0, min(since + self.confirm_after - now
-                            for since in self._suspected.values()))
+        return max(0.0, self._quiet_until - now,
+                   min(since + self.confirm_after - now for since in self._suspected.values()))
 
 
-__all__ = ["CONFIRM_AFTER", "DeathWatch", "SessionLock", "forget", "free_names", "lock_key",
-           "supported"]
+__all__ = ["AFTER_SERVER_CHANGE", "CONFIRM_AFTER", "DeathWatch", "SessionLock", "forget",
+           "free_names", "lock_key", "supported"]

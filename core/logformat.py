@@ -14,7 +14,9 @@ command's (use :class:`JsonFormatter` there too if you like).
 ``--log-format json`` (``DUEBOX_LOG_FORMAT=json``) writes one JSON object per
 line: ``ts``, ``level``, ``logger``, ``message``, and where the line is about
 one job ``job_id``, ``task``, ``queue`` and ``attempt`` (the ``extra`` that
-:func:`duebox.logs.job_fields` builds), and ``traceback`` when there is one.
+:func:`duebox.logs.job_fields` builds), on the line of a finished job
+(``log_jobs``) also ``outcome``, ``run_s`` and ``late_s``, and ``traceback``
+when there is one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ QUIET = ("pika", "aiokafka", "kafka", "botocore", "boto3", "urllib3", "s3transfe
          "alembic", "asyncio")
 # Loggers whose every error reaches duebox as an exception it reports itself.
 FOLDED = ("pika",)
-FIELDS = ("job_id", "task", "queue", "attempt")
+# A job's fields; the last three only on the line of a finished job
+# (``log_jobs``, consumers/job_lines.py).
+FIELDS = ("job_id", "task", "queue", "attempt", "outcome", "run_s", "late_s")
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

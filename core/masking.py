@@ -58,6 +58,30 @@ class Masked:
             value = value.replace(secret, REDACTED)
         return self.keys.scrub(value)
 
+    def value(self, value: Any) -> Any:
+        """Another JSON value of the job (its result, duebox.results) as it
+        may be shown, masked like the payload: the values of secret keys
+        replaced by ``****``, and every string in it that quotes what the
+        payload's mask hid cut as error text is; None when hidden."""
+        if self.hidden:
+            return None
+        if not self.secrets:
+            return self.keys.mask(value)
+        # A copy to scrub in place (mask() returns the value itself when no
+        # key is secret); a JSON value comes back equal through JSON.
+        holder: list[Any] = [json.loads(json.dumps(self.keys.mask(value)))]
+        stack: list[tuple[Any, Any]] = [(holder, 0)]
+        while stack:
+            parent, slot = stack.pop()
+            item = parent[slot]
+            if isinstance(item, str):
+                parent[slot] = self.text(item)
+            elif isinstance(item, dict):
+                stack.extend((item, k) for k in item)
+            elif isinstance(item, list):
+                stack.extend((item, i) for i in range(len(item)))
+        return holder[0]
+
 
 def _leaves(value: Any) -> Iterator[str]:
     """The strings and numbers in a JSON value, without recursion (a payload

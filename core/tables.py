@@ -266,3 +266,16 @@ schedule = Table(
     UniqueConstraint("name", name="uq_duebox_schedule_name"),
     Index("ix_duebox_schedule_next", "paused", "next_fire_at"),
 )
+
+result = Table(
+    "duebox_result",
+    metadata,
+    # Added by migration 0009 (duebox.results): what the handler of a task
+    # with store_result=True returned, as JSON text, written with the job's
+    # completion and deleted by a relay once ``expires_at`` has passed.
+    Column("job_id", Uuid(), primary_key=True),
+    Column("value", Text, nullable=False),
+    _dt("stored_at", nullable=False),
+    _dt("expires_at", nullable=False),
+    Index("ix_duebox_result_expires", "expires_at"),
+)

@@ -19,6 +19,7 @@ from typing import Any
 from duebox.cron import load_zone
 from duebox.masking import Masked
 from duebox.metrics import seconds as elapsed
+from duebox.results import loaded
 from duebox.schedules import ScheduleInfo
 
 from .context import Dashboard
@@ -95,6 +96,10 @@ def job(d: Dashboard, request: Request, ref: str) -> Response:
         "where": shown.where,
         "last_error": m.text(detail.job.last_error),
         "masking": _masking(m),
+        # A kept result (docs/results.md), masked like the payload.
+        "result": (None if detail.result_text is None or m.hidden
+                   else m.value(loaded(detail.result_text))),
+        "has_result": detail.result_text is not None,
         "timeline": detail.timeline(),
         "attempts": [{**_fields(a), "error": m.text(a.error), "traceback": m.text(a.traceback)}
                      for a in detail.attempts],

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from duebox.inspect import AttemptView, JobDetail
 from duebox.masking import Masked
+from duebox.results import loaded
 from duebox.states import FINAL_STATES, JobState
 
 from .context import Dashboard
 from .reads import read_job, read_jobs, versions
-from .render import badge, compact_json, esc, link, page, payload_section, seconds, table, ts
+from .render import (
+    badge,
+    compact_json,
+    esc,
+    link,
+    page,
+    payload_section,
+    pre_json,
+    seconds,
+    table,
+    ts,
+)
 from .web import REF, Request, Response, redirect, route, url
 
 
@@ -105,6 +117,8 @@ def job(d: Dashboard, request: Request, job_id: str) -> Response:
     if request.partial:
         return Response(body=live)
     rest = payload_section(m.payload, m.note, m.hidden)
+    if detail.result_text is not None and not m.hidden:  # masked like the payload
+        rest += "<h2>Result</h2>" + pre_json(m.value(loaded(detail.result_text)))
     if row.state == JobState.DEAD:
         rest += ("<h2>Dead letter</h2>"
                  + d.action_form(request, f"/jobs/{row.id}/replay", "Replay")

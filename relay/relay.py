@@ -15,6 +15,8 @@ What keeps every job moving whatever the brokers, it does once:
   declared in code (relay/schedules.py);
 * **move** jobs left on a broker that no longer serves their queue
   (relay/rerouting.py), and keep the planner's statistics fresh;
+* **delete** job results kept past their ``result_ttl``, once a minute
+  (core/results.py);
 * hold its **shard** leases (relay/shards.py), its registry row and its
   liveness lock, and take the database snapshot behind the state gauges.
 
@@ -45,6 +47,7 @@ from duebox.ids import process_token
 from duebox.logs import CollapsedLog
 from duebox.metrics import DBCollector, Metrics, process_metrics
 from duebox.planner_stats import PlannerStats
+from duebox.results import Pruning
 from duebox.routes import Route, describe
 from duebox.timing import NEAR_WINDOW_SECONDS
 
@@ -129,6 +132,8 @@ class Relay:
         # PostgreSQL: the job table's planner statistics kept fresh through a
         # burst (core/planner_stats.py).
         self.planner_stats = PlannerStats(app.engine)
+        # Results kept past their result_ttl, deleted (core/results.py).
+        self.results = Pruning(app.engine)
         # Observability (docs/observability.md): event metrics, the periodic
         # database snapshot and this relay's registry row.
         self.observe = RelayMetrics(metrics, self.backend)
@@ -196,6 +201,8 @@ class Relay:
         stats.rerouted = await self.rerouting.step()
         if self.planner_stats.due():
             await asyncio.to_thread(self.planner_stats.step)
+        if self.results.due():
+            await asyncio.to_thread(self.results.step, self.app.clock.now())
         took_shards = await self._step_shards()
         # A relay that dispatches counts its pipelines' passes; one that does
         # not (sql://), its own.

@@ -18,7 +18,8 @@ def test_public_names_are_pinned() -> None:
         "PermissionDeniedError",
         "RedisDedupeStore", "Relay", "RetryPolicy", "SQLDedupeStore", "Settings", "SystemClock",
         "TablesMissingError", "Task", "TaskHandle",
-        "Throttled", "Transient", "UnknownTaskError", "ValidationError", "Worker", "__version__",
+        "Throttled", "Transient", "UnknownTaskError", "ValidationError", "WaitTimeoutError",
+        "Worker", "__version__",
         "dedupe", "metadata",
     ])
     for name in duebox.__all__:

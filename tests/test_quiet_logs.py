@@ -16,6 +16,7 @@ from typing import Any
 
 from conftest import reset_tables
 
+import duebox
 from duebox.logformat import QUIET, JsonFormatter, configure
 from duebox.logs import job_fields, log_traced
 
@@ -130,3 +131,25 @@ def test_a_worker_logs_one_line_at_start_and_one_at_stop(tmp_path: Path) -> None
     assert "INFO duebox.worker: worker " in lines[0]
     assert "queues default on sql://" in lines[0]
     assert lines[1].rstrip().endswith(" stopped")
+
+
+def test_worker_log_jobs_writes_one_json_line_per_finished_job(tmp_path: Path) -> None:
+    """``duebox worker --log-jobs`` (issue #33 item 2): the line of each job
+    it finished, with its fields; without the switch none (the test above
+    counts every line of a calm worker)."""
+    url = f"sqlite:///{tmp_path}/duebox.db"
+    reset_tables(url)
+    producer = duebox.Duebox(url)
+    producer.task("cli.noop")(lambda payload, ctx: None)
+    job_id = producer.enqueue("cli.noop", {"n": 1})
+    producer.dispose()
+    env = {**os.environ, "DUEBOX_DATABASE_URL": url, "DUEBOX_BROKER_URL": "sql://",
+           "DUEBOX_LOG_FORMAT": "json", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    lines = _start_and_stop(["worker", "--app", "tests.apps.cli_app:app", "--processes", "1",
+                             "--log-jobs"], tmp_path, env, '"logger": "duebox.jobs"')
+    [line] = [r for r in map(json.loads, lines) if r["logger"] == "duebox.jobs"]
+    assert (line["job_id"], line["task"], line["queue"], line["attempt"], line["outcome"]) == (
+        str(job_id), "cli.noop", "default", 1, "succeeded")
+    assert line["level"] == "INFO"
+    assert line["run_s"] >= 0
+    assert line["late_s"] >= 0

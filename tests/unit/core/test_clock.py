@@ -16,6 +16,7 @@ from duebox.clock import (
     as_utc,
     follows_real_time,
     server_now_sql,
+    server_source_sql,
     server_time_after,
     sync_clock,
     wait_until,
@@ -51,6 +52,18 @@ def test_the_reading_with_the_shortest_round_trip_of_the_last_four_wins() -> Non
     assert clock.offset == s(5.0)
 
 
+def test_a_reading_from_another_server_replaces_the_old_servers_readings() -> None:
+    """A failover (a standby promoted behind a multi-host URL): the old
+    primary's tight reading must not outlive it, or a new server whose clock
+    is behind would be followed from ahead, starting jobs early."""
+    clock = DatabaseClock(FakeClock(T0))
+    clock.observe(T0, T0 + s(0.01 + 2.0), T0 + s(0.01), "primary")
+    clock.observe(T0, T0 + s(0.3 + 1.0), T0 + s(0.3), "primary")
+    assert clock.offset == s(2.0)
+    clock.observe(T0, T0 + s(0.3 + 1.0), T0 + s(0.3), "standby, promoted")
+    assert clock.offset == s(1.0)
+
+
 def test_a_naive_server_time_is_utc() -> None:
     clock = DatabaseClock(FakeClock(T0))
     clock.observe(T0, datetime(2030, 1, 1, 0, 0, 1), T0)
@@ -68,8 +81,10 @@ def test_sqlite_has_no_server_clock_to_follow(sqlite_url: str) -> None:
     assert clock.offset == timedelta(0)
     assert server_now_sql("sqlite") is None
     assert server_time_after("sqlite", s(1)) is None
+    assert server_source_sql("sqlite") is None
     for dialect in ("postgresql", "mysql", "mariadb"):
         assert server_now_sql(dialect) is not None
+        assert server_source_sql(dialect) is not None
         assert server_time_after(dialect, s(1)) is not None
 
 

@@ -134,3 +134,19 @@ def test_a_task_copy_with_other_keys_masks_by_its_own() -> None:
 @pytest.mark.parametrize("payload", [None, 5, "plain", [1, 2]])
 def test_payloads_without_keys_pass_through(payload: Any) -> None:
     assert masked_for(task(keys=KEYS), payload).payload == payload
+
+
+def test_a_result_is_masked_like_the_payload() -> None:
+    """A job's result (duebox.results) as people see it: secret keys'
+    values masked, what the payload's hook hid cut out of its strings, and
+    nothing of it where the payload is hidden; the value itself untouched."""
+    payload = {"card": "4111-1111-1111-1111", "user": "bob"}
+    result = {"charged": True, "note": "card 4111-1111-1111-1111 ok",
+              "auth": [{"token": "t-9"}], "user": "bob"}
+    hook = masked_for(task(mask=lambda p: {**p, "card": "****1111"}, keys=KEYS), payload)
+    assert hook.value(result) == {"charged": True, "note": f"card {REDACTED} ok",
+                                  "auth": [{"token": REDACTED}], "user": "bob"}
+    assert result["note"] == "card 4111-1111-1111-1111 ok"  # a copy was masked
+    assert masked_for(task(keys=KEYS), payload).value("t-9") == "t-9"  # a bare value
+    assert masked_for(task(), payload).value(result) == result
+    assert masked_for(None, payload).value(result) is None  # hidden: unknown task
