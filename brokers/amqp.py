@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +57,8 @@ from .amqp_link import (
 )
 from .amqp_pack import HEADER_PACK
 from .amqp_settings import OWN_PARAMS, AMQPSettings, topology_of
-from .amqp_topology import MAX_DELAY_MS, ExchangeDecl, check_queue_name, delay_ms, tier_at
+from .amqp_tiers import MAX_DELAY_MS, longest_ms
+from .amqp_topology import ExchangeDecl, check_queue_name, delay_ms
 from .base import (
     HANDOVER_LEAD_SECONDS,
     BrokerContext,
@@ -122,6 +123,14 @@ class AMQPBroker(PublishingBroker):
         super().__init__(url, context)
         self.settings = AMQPSettings.from_url(url)
         self.topology = self.settings.topology
+        # The relay rounds delays up to the tiers' unit (never early); with
+        # the plugin that only costs a little lateness where one was chosen.
+        tiers = self.topology.tiers
+        self.capabilities = replace(type(self).capabilities,
+                                    delay_precision=tiers.precision_ms / 1000,
+                                    max_delay=longest_ms(tiers.precision_ms) / 1000)
+        if self.max_delay is not None:  # ?max_delay=, within the tiers' whole units
+            self.max_delay = min(self.max_delay, tiers.ceiling_ms / 1000)
         self.mode = self.settings.delay_mode
         self.confirm_timeout = self.settings.confirm_timeout
         # One per node the URL names (brokers/amqp_hosts.py); pika_params is
@@ -359,7 +368,7 @@ class AMQPBroker(PublishingBroker):
             return f"in the RabbitMQ queue {job.queue}"
         ms = delay_ms((job.due_at - job.published_at).total_seconds())
         elapsed = (now - job.published_at).total_seconds() * 1000
-        return (f"in RabbitMQ delay {tier_at(ms, elapsed)} (tier topology; with the "
+        return (f"in RabbitMQ delay {self.topology.tier_at(ms, elapsed)} (tier topology; with the "
                 f"delayed-message plugin, in its exchange)")
 
     # --- consume -------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -19,7 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from duebox.errors import BrokerError, ConfigurationError, MissingDependencyError
+from duebox.errors import (
+    BrokerError,
+    BrokerRefusedError,
+    BrokerUnreachableError,
+    ConfigurationError,
+    MissingDependencyError,
+)
 from duebox.logs import collapse_library_logs
 from duebox.message import HEADER_DUE_AT, JobMessage
 
@@ -136,7 +143,7 @@ def _resolver(fut: asyncio.Future[Any]) -> Callable[[Any], None]:
     return resolve
 
 
-def _cause(exc: BaseException) -> str:
+def _innermost(exc: BaseException) -> BaseException:
     """The useful part of pika's nested connection errors."""
     for _ in range(5):
         inner = getattr(exc, "exceptions", None) or getattr(exc, "exception", None) or (
@@ -146,7 +153,46 @@ def _cause(exc: BaseException) -> str:
         if not isinstance(inner, BaseException):
             break
         exc = inner
+    return exc
+
+
+def _cause(exc: BaseException) -> str:
+    exc = _innermost(exc)
     return describe(exc) if isinstance(exc, pika.exceptions.ConnectionClosed) else repr(exc)
+
+
+# RabbitMQ's answer to a login it does not accept (403) and to a vhost that
+# is not there or not permitted (530), quoted by pika as "(403) 'ACCESS_REFUSED - ...'".
+_REFUSED_CODES = (403, 530)
+_QUOTED_REPLY = re.compile(r"\((\d{3})\) '([^']*)'")
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """RabbitMQ's words when it answered and refused the connection (a
+    configuration error: see duebox.errors.BrokerRefusedError), else None."""
+    exc = _innermost(exc)
+    if isinstance(exc, pika.exceptions.ConnectionClosed):
+        return describe(exc) if exc.reply_code in _REFUSED_CODES else None
+    if isinstance(exc, pika.exceptions.ProbableAuthenticationError
+                  | pika.exceptions.ProbableAccessDeniedError):
+        quoted = _QUOTED_REPLY.search(str(exc))
+        if quoted is not None:
+            return f"{quoted.group(1)} {quoted.group(2)}"
+        return ("login refused" if isinstance(exc, pika.exceptions.ProbableAuthenticationError)
+                else "access to the vhost refused")
+    return None
+
+
+def _connect_error(params: Any, exc: BaseException) -> BrokerUnreachableError:
+    """What a failed connection attempt raises: a refusal, or out of reach."""
+    at = f"RabbitMQ at {params.host}:{params.port}"
+    refused = _refusal(exc)
+    if refused is not None:
+        user = getattr(params.credentials, "username", "?")
+        return BrokerRefusedError(f"{at} (vhost {params.virtual_host!r}, user {user!r})",
+                                  f"{refused.rstrip('.')}; check the broker URL's user, "
+                                  "password and vhost")
+    return BrokerUnreachableError(at, _cause(exc))
 
 
 def describe(reason: object) -> str:
@@ -190,10 +236,12 @@ class Link:
         for params in nodes:
             try:
                 return await cls.connect(params)
+            except BrokerRefusedError:
+                raise  # one cluster, one set of users: another node refuses it too
             except BrokerError as exc:
                 failures.append(str(exc).removeprefix("cannot connect to RabbitMQ at "))
-        raise BrokerError(f"cannot connect to any of {len(failures)} RabbitMQ nodes: "
-                          + "; ".join(failures))
+        raise BrokerUnreachableError(f"any of {len(failures)} RabbitMQ nodes",
+                                     "; ".join(failures))
 
     @classmethod
     async def connect(cls, params: Any) -> Link:
@@ -207,8 +255,7 @@ class Link:
 
         def on_open_error(_conn: Any, exc: BaseException) -> None:
             if not opened.done():
-                opened.set_exception(BrokerError(f"cannot connect to RabbitMQ at "
-                                                 f"{params.host}:{params.port}: {_cause(exc)}"))
+                opened.set_exception(_connect_error(params, exc))
 
         def on_close(_conn: Any, exc: BaseException) -> None:
             if not closed.done():
@@ -226,8 +273,8 @@ class Link:
         except TimeoutError:
             with contextlib.suppress(Exception):
                 conn.close()
-            raise BrokerError(f"cannot connect to RabbitMQ at {params.host}:{params.port}: "
-                              "timed out") from None
+            raise BrokerUnreachableError(f"RabbitMQ at {params.host}:{params.port}",
+                                         "timed out") from None
         return cls(conn, closed, params)
 
     @property

@@ -8,6 +8,7 @@ parameters not listed in :data:`OWN_PARAMS` are pika's (``heartbeat``,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from duebox.errors import ConfigurationError
@@ -15,11 +16,20 @@ from duebox.errors import ConfigurationError
 from ._common import number
 from .amqp_hosts import node_urls
 from .amqp_pack import DEFAULT_PACK, MAX_PACK_JOBS
+from .amqp_tiers import (
+    DEFAULT_RADIX,
+    MAX_DELAY_MS,
+    MAX_PRECISION_MS,
+    RADIXES,
+    Tiers,
+    longest_ms,
+    precision_ms,
+)
 from .amqp_topology import MODES, Topology
 from .base import parse_params
 
 OWN_PARAMS = frozenset({"max_delay", "prefix", "delay_mode", "queue_type", "confirm_timeout",
-                        "pack"})
+                        "pack", "tier_base", "tier_precision"})
 
 
 @dataclass(frozen=True)
@@ -59,4 +69,20 @@ class AMQPSettings:
 def topology_of(params: dict[str, str]) -> Topology:
     """The names alone (all a queue-name check needs)."""
     return Topology(prefix=params.get("prefix", "duebox"),
-                    queue_type=params.get("queue_type", "classic"))
+                    queue_type=params.get("queue_type", "classic"), tiers=tiers_of(params))
+
+
+def tiers_of(params: dict[str, str]) -> Tiers:
+    """The TTL tiers' shape: ``?tier_base=`` (2-16), ``?tier_precision=``
+    (seconds, whole milliseconds) and ``?max_delay=`` (seconds), which
+    together set how many tier queues a vhost holds (amqp_tiers.py)."""
+    radix = int(number(params, "tier_base", DEFAULT_RADIX, low=RADIXES.start,
+                       high=RADIXES.stop - 1, integer=True))
+    unit = number(params, "tier_precision", 0.001, low=0.001, high=MAX_PRECISION_MS / 1000,
+                  seconds=True)
+    unit_ms = precision_ms(unit)
+    most = longest_ms(unit_ms)
+    ceiling = number(params, "max_delay", most / 1000, low=0.0, high=MAX_DELAY_MS / 1000,
+                     seconds=True)
+    return Tiers(radix=radix, precision_ms=unit_ms,
+                 ceiling_ms=min(most, math.ceil(ceiling * 1000 - 1e-6)))

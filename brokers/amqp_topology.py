@@ -23,7 +23,10 @@ the ``deliver`` exchange, which routes on the name to the destination queue.
 ``2**32 - 1`` ms (49.7 days, the plugin's too) at 1 ms precision, and a
 message stops in at most 8 queues (binary levels would need up to 32 stops:
 every stop costs a dead-letter hop of about a millisecond of lateness and a
-broker write, so fewer stops is both more punctual and cheaper).
+broker write, so fewer stops is both more punctual and cheaper).  That is
+the default shape; ``?tier_base=``, ``?tier_precision=`` and ``?max_delay=``
+choose another (:mod:`duebox.brokers.amqp_tiers`), whose names carry the
+shape so two shapes never share a queue.
 
 **Plugin** (``rabbitmq_delayed_message_exchange``): one ``x-delayed-message``
 exchange (``x-delayed-type: direct``) and an ``x-delay`` header in ms.
@@ -41,14 +44,16 @@ from typing import Any
 
 from duebox.errors import ConfigurationError, ValidationError
 
-RADIX = 16
-LEVELS = 8
-MAX_DELAY_MS: int = RADIX**LEVELS - 1  # 2**32 - 1 ms, also the plugin's ceiling
-# Tier queues at this level and above hold a message for >= 16**4 ms (65.5 s):
-# on classic queues they are lazy and use the v2 index (RabbitMQ >= 3.10;
-# older brokers ignore the argument), so a message waiting for days costs
-# disk, not memory: 100,000 of them hold the queues' memory constant.
-LAZY_FROM_LEVEL = 4
+from .amqp_tiers import MAX_DELAY_MS, Tiers
+
+# The default shape's (the names tests and older code know).
+RADIX = Tiers().radix
+LEVELS = Tiers().levels
+# Tier queues whose level's unit is at least this (16**4 ms, 65.5 s) hold
+# long waits: on classic queues they are lazy and use the v2 index (RabbitMQ
+# >= 3.10; older brokers ignore the argument), so a message waiting for days
+# costs disk, not memory: 100,000 of them hold the queues' memory constant.
+LAZY_FROM_MS = 16**4
 _LONG_WAIT_ARGS = {"x-queue-mode": "lazy", "x-queue-version": 2}
 MAX_NAME_BYTES = 255  # AMQP short string: queue names and routing keys
 
@@ -107,6 +112,7 @@ class Topology:
 
     prefix: str = "duebox"
     queue_type: str = "classic"
+    tiers: Tiers = field(default_factory=Tiers)
 
     def __post_init__(self) -> None:
         if not _PREFIX_RE.match(self.prefix):
@@ -140,12 +146,21 @@ class Topology:
         """Exchange and queue for what could not be delivered or decoded."""
         return f"{self.prefix}.dead-letter"
 
+    @property
+    def _tier_stem(self) -> str:
+        """The tiers' names start with it: the default shape's as ever,
+        another's with its shape, so shapes sharing a prefix never meet."""
+        t = self.tiers
+        if t.default:
+            return f"{self.prefix}.delay"
+        return f"{self.prefix}.delay-b{t.radix}-p{t.precision_ms}ms-l{t.levels}"
+
     def level_exchange(self, k: int) -> str:
-        """Routes on the digits below position ``k`` (``k == LEVELS``: all)."""
-        return f"{self.prefix}.delay.{k}"
+        """Routes on the digits below position ``k`` (``k == levels``: all)."""
+        return f"{self._tier_stem}.{k}"
 
     def tier_queue(self, j: int, d: int) -> str:
-        return f"{self.prefix}.delay.{j}.{d:x}"
+        return f"{self._tier_stem}.{j}.{d:x}"
 
     def queue(self, name: str) -> str:
         """The RabbitMQ queue of duebox queue ``name``."""
@@ -165,29 +180,30 @@ class Topology:
         ]
 
     def tier_ops(self) -> list[Op]:
-        """The tier topology: ``LEVELS`` topic exchanges, ``LEVELS * 15``
-        queues and the bindings between them (all idempotent)."""
+        """The tier topology: one topic exchange per level, the tier queues
+        of the shape (120 by default) and the bindings between them (all
+        idempotent)."""
+        levels = self.tiers.levels
+        queues = self.tiers.queues()
         ops: list[Op] = []
-        for k in range(LEVELS, 0, -1):
-            # The entry exchange (k == LEVELS) has no alternate exchange, so a
+        for k in range(levels, 0, -1):
+            # The entry exchange (k == levels) has no alternate exchange, so a
             # mandatory publish that matches no tier queue comes back; the
             # inner ones only see dead-lettered messages, which cannot come
             # back, so they keep anything unroutable in the dead-letter queue.
-            args = {} if k == LEVELS else {"alternate-exchange": self.dead_letter}
+            args = {} if k == levels else {"alternate-exchange": self.dead_letter}
             ops.append(ExchangeDecl(self.level_exchange(k), "topic", args,
-                                    internal=k != LEVELS))
-        for j in range(LEVELS):
+                                    internal=k != levels))
+        for j, d in queues:
             nxt = self.level_exchange(j) if j > 0 else self.deliver
-            for d in range(1, RADIX):
-                ops.append(QueueDecl(self.tier_queue(j, d), self._tier_args(j, d, nxt)))
-        for k in range(LEVELS, 0, -1):
+            ops.append(QueueDecl(self.tier_queue(j, d), self._tier_args(j, d, nxt)))
+        for k in range(levels, 0, -1):
             src = self.level_exchange(k)
-            skip = "*." * (LEVELS - k)
-            for j in range(k - 1, -1, -1):
+            skip = "*." * (levels - k)
+            for j, d in sorted((q for q in queues if q[0] < k), key=lambda q: -q[0]):
                 zeros = "0." * (k - 1 - j)
-                for d in range(1, RADIX):
-                    ops.append(QueueBind(self.tier_queue(j, d), src, f"{skip}{zeros}{d:x}.#"))
-            if k < LEVELS:
+                ops.append(QueueBind(self.tier_queue(j, d), src, f"{skip}{zeros}{d:x}.#"))
+            if k < levels:
                 ops.append(ExchangeBind(self.deliver, src, f"{skip}{'0.' * k}#"))
         return ops
 
@@ -201,7 +217,7 @@ class Topology:
         ops: list[Op] = [
             QueueDecl(q, self._queue_args()),
             QueueBind(q, self.direct, name),
-            QueueBind(q, self.deliver, "*." * LEVELS + name),
+            QueueBind(q, self.deliver, "*." * self.tiers.levels + name),
         ]
         if plugin:
             ops.append(QueueBind(q, self.delayed, name))
@@ -220,12 +236,13 @@ class Topology:
         return dict(_LONG_WAIT_ARGS)
 
     def _tier_args(self, j: int, d: int, dlx: str) -> dict[str, Any]:
-        args: dict[str, Any] = {"x-message-ttl": d * RADIX**j, "x-dead-letter-exchange": dlx}
+        args: dict[str, Any] = {"x-message-ttl": self.tiers.ttl_ms(j, d),
+                                "x-dead-letter-exchange": dlx}
         if self.queue_type == "quorum":
             # At-least-once dead-lettering (RabbitMQ >= 3.10) needs reject-publish.
             args.update({"x-queue-type": "quorum", "x-dead-letter-strategy": "at-least-once",
                          "x-overflow": "reject-publish"})
-        elif j >= LAZY_FROM_LEVEL:
+        elif self.tiers.ttl_ms(j, 1) >= LAZY_FROM_MS:
             args.update(_LONG_WAIT_ARGS)
         return args
 
@@ -233,7 +250,8 @@ class Topology:
 
     def route(self, queue: str, delay: float, plugin: bool) -> Route:
         """How to publish a message for ``queue`` that must stay invisible for
-        ``delay`` seconds (rounded up to whole milliseconds)."""
+        ``delay`` seconds (rounded up to whole milliseconds, and in the
+        tiers up to the shape's precision)."""
         check_queue_name(self, queue)
         ms = delay_ms(delay)
         if ms == 0:
@@ -245,13 +263,22 @@ class Topology:
             # by declaring and binding the queue before publishing instead.
             return Route(self.delayed, queue, mandatory=False, headers={"x-delay": ms},
                          delay_ms=ms)
-        return Route(self.level_exchange(LEVELS), f"{tier_key(ms)}.{queue}", mandatory=True,
-                     delay_ms=ms)
+        units = self.tiers.units(ms)
+        if units > self.tiers.most_units:  # the relay never asks: its horizon is max_delay
+            raise ValidationError("delay", f"must be at most max_delay "
+                                  f"({self.tiers.ceiling_ms / 1000:g} s) in these tiers", delay)
+        return Route(self.level_exchange(self.tiers.levels), f"{self.tiers.key(units)}.{queue}",
+                     mandatory=True, delay_ms=units * self.tiers.precision_ms)
 
     def stops(self, ms: int) -> list[str]:
         """The tier queues a message delayed ``ms`` passes through, in order."""
-        digits = tier_digits(ms)
-        return [self.tier_queue(LEVELS - 1 - i, d) for i, d in enumerate(digits) if d]
+        return [self.tier_queue(j, d) for j, d in self.tiers.stops(self.tiers.units(ms))]
+
+    def tier_at(self, ms: int, elapsed_ms: float) -> str:
+        """The tier queue a message delayed ``ms`` sits in ``elapsed_ms``
+        after it was published."""
+        # Capped: a message published under another max_delay may say more.
+        return self.tiers.at(min(self.tiers.units(ms), self.tiers.most_units), elapsed_ms)
 
 
 def delay_ms(delay: float) -> int:
@@ -261,28 +288,9 @@ def delay_ms(delay: float) -> int:
     return min(MAX_DELAY_MS, math.ceil(delay * 1000 - 1e-6))
 
 
-def tier_digits(ms: int) -> list[int]:
-    """``ms`` as ``LEVELS`` base-16 digits, most significant first."""
-    if not 0 <= ms <= MAX_DELAY_MS:
-        raise ValueError(f"delay {ms} ms is outside 0..{MAX_DELAY_MS}")
-    return [(ms // RADIX**j) % RADIX for j in range(LEVELS - 1, -1, -1)]
-
-
-def tier_at(ms: int, elapsed_ms: float) -> str:
-    """The tier queue (level.digit) a message delayed ``ms`` sits in
-    ``elapsed_ms`` after it was published: its stops run from the most
-    significant digit down."""
-    stops = [(LEVELS - 1 - i, d) for i, d in enumerate(tier_digits(ms)) if d]
-    passed = 0.0
-    for n, (level, digit) in enumerate(stops, 1):
-        passed += digit * RADIX**level
-        if elapsed_ms < passed:
-            return f"tier {level}.{digit:x} (stop {n} of {len(stops)})"
-    return "its last tier"
-
-
 def tier_key(ms: int) -> str:
-    return ".".join(f"{d:x}" for d in tier_digits(ms))
+    """The default shape's routing-key digits for ``ms``."""
+    return Tiers().key(ms)
 
 
 def check_queue_name(topology: Topology, name: str) -> None:
@@ -290,7 +298,8 @@ def check_queue_name(topology: Topology, name: str) -> None:
     not contain a topic wildcard word (``*`` or ``#``)."""
     if not isinstance(name, str) or not name:
         raise ValidationError("queue", "must be a non-empty string", name)
-    longest = max(len(topology.queue(name).encode()), len(name.encode()) + 2 * LEVELS)
+    longest = max(len(topology.queue(name).encode()),
+                  len(name.encode()) + 2 * topology.tiers.levels)
     if longest > MAX_NAME_BYTES:
         raise ValidationError(
             "queue", f"must be short enough for a RabbitMQ name ({MAX_NAME_BYTES} bytes with "

@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
-from duebox.errors import BrokerError, ConfigurationError, MessageDecodeError
+from duebox.errors import AccessRefusedError, BrokerError, ConfigurationError, MessageDecodeError
 from duebox.message import JobMessage
 from duebox.registry import effective_max_delay
 from duebox.seam import (
@@ -32,6 +32,7 @@ from duebox.seam import (
     refused,
 )
 from duebox.timing import HANDOVER_LEAD_SECONDS
+from duebox.trouble import TROUBLES, Cause, cause_of
 
 log = logging.getLogger("duebox.broker")
 
@@ -319,18 +320,31 @@ class PublishingBroker(Broker):
         """
 
 
-async def open_broker(broker: Broker, stop: asyncio.Event) -> bool:
+async def open_broker(broker: Broker, stop: asyncio.Event, *,
+                      refusals_only: bool = False) -> bool:
     """Open ``broker``, retrying with backoff while it is unreachable (a
     broker briefly down at start must not kill the process); False if
-    ``stop`` was set first.  Configuration errors are raised at once."""
+    ``stop`` was set first.  Configuration errors are raised at once, and a
+    refusal (a wrong login or vhost) once it outlasts the grace of
+    duebox.trouble: :class:`~duebox.errors.AccessRefusedError`.  What it
+    meets is said once per cause per interval (duebox.trouble).
+    ``refusals_only``: retry refusals only; False at once when the broker is
+    out of reach (a look before the process starts, which leaves an outage
+    to the process's own retrying)."""
     backoff = 0.2
+    name = broker.capabilities.name
     while not stop.is_set():
         try:
             await broker.open()
             return True
         except BrokerError as exc:
-            log.warning("broker %s unreachable (%s); retrying in %.1fs",
-                        broker.capabilities.name, exc, backoff)
+            cause = cause_of(exc) or Cause(f"unreachable: broker {name}",
+                                           f"broker {name} unreachable: {exc}")
+            if refusals_only and not cause.permanent:
+                return False
+            TROUBLES.report(cause, log, f"opening the {name} broker", stops=True)
+            if TROUBLES.final(cause):
+                raise AccessRefusedError(TROUBLES.ended(cause)) from exc
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), backoff)
             backoff = min(backoff * 2, 10.0)

@@ -34,7 +34,7 @@ import click
 
 from duebox.errors import ConfigurationError, ValidationError
 
-from .supervisor import EX_CONFIG
+from .options import EX_CONFIG
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # How often a process without PR_SET_PDEATHSIG looks at its parent pid.

@@ -14,7 +14,7 @@ from duebox.masking import masked, shown_as_is
 from duebox.values import check_operator, shown
 
 from .loading import load_app
-from .options import TEXT, FiniteRange, app_options, operator_options
+from .options import TEXT, FiniteRange, app_options, operator_options, unregistered_payloads_option
 
 Cmd = Callable[..., None]
 
@@ -57,15 +57,16 @@ def dlq_list(app_spec: str | None, database_url: str | None, broker_url: str | N
 
 @dlq_group.command("show")
 @app_options
+@unregistered_payloads_option
 @click.argument("job", type=TEXT)
 def dlq_show(app_spec: str | None, database_url: str | None, broker_url: str | None,
-             job: str) -> None:
+             show_unregistered: bool, job: str) -> None:
     """A dead job's payload (masked), attempts with their tracebacks, and audit
     trail. JOB is its id, its key, or the start of its id."""
     from .inspect_jobs import show_job
 
     app = load_app(app_spec, database_url, broker_url)
-    click.echo(show_job(app, job, app.clock.now(), with_payload=True))
+    click.echo(show_job(app, job, app.clock.now(), show_unregistered))
 
 def _operator_options(fn: Cmd) -> Cmd:
     fn = operator_options(fn)

@@ -50,9 +50,9 @@ def _traceback(m: Masked, text: str | None, indent: str) -> list[str]:
 
 
 def render_job(app: Duebox, detail: JobDetail, now: datetime,
-               with_payload: bool = False) -> str:
+               show_unregistered: bool = False) -> str:
     row = detail.job
-    m = masked(app, row.task, row.payload)
+    m = masked(app, row.task, row.payload, show_unregistered=show_unregistered)
     lines = [
         f"job {row.id}",
         f"  task {shown(row.task)}  queue {shown(row.queue)}  state {row.state}  "
@@ -64,16 +64,15 @@ def render_job(app: Duebox, detail: JobDetail, now: datetime,
     if row.tenant:
         lines.append(f"  tenant {shown(row.tenant)}  priority {row.priority}")
     lines.append(f"  now: {shown(where_now(row, locator(app), now))}")
-    if with_payload:
-        payload = (f"({m.note})" if m.hidden
-                   else json.dumps(m.payload, sort_keys=True)[:2000])
-        lines.append(f"  payload {shown(payload)}")
+    payload = (f"({m.note})" if m.hidden
+               else json.dumps(m.payload, sort_keys=True)[:2000])
+    lines.append(f"  payload {shown(payload)}")
     if detail.result_text is not None:
         # Masked like the payload (duebox.results): always shown, it is short.
         kept = m.value(loaded(detail.result_text))
         result = f"({m.note})" if m.hidden else json.dumps(kept, sort_keys=True)[:2000]
         lines.append(f"  result {shown(result)}")
-    if m.note:
+    if m.note and not m.hidden:  # a hidden payload's line says why already
         lines.append(f"  ({m.note})")
     lines.append("timeline")
     for e in detail.timeline():
@@ -96,6 +95,9 @@ def render_job(app: Duebox, detail: JobDetail, now: datetime,
     return "\n".join(lines)
 
 
-def show_job(app: Duebox, ref: str, now: datetime, with_payload: bool = False) -> str:
-    """``jobs show`` / ``dlq show``: the job ``ref`` names (id, key or id prefix)."""
-    return render_job(app, load_job(app.engine, find_job(app.engine, ref)), now, with_payload)
+def show_job(app: Duebox, ref: str, now: datetime, show_unregistered: bool = False) -> str:
+    """``jobs show`` / ``dlq show``: the job ``ref`` names (id, key or id
+    prefix), its payload masked; a task this app does not register has its
+    payload hidden unless ``show_unregistered``."""
+    return render_job(app, load_job(app.engine, find_job(app.engine, ref)), now,
+                      show_unregistered)

@@ -9,7 +9,6 @@ follow click's ``DUEBOX_<COMMAND>_<OPTION>`` rule, e.g.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import sys
@@ -20,13 +19,22 @@ from sqlalchemy.orm import Session
 from duebox import Duebox, DueboxError, migrate
 from duebox.credentials import redacted
 from duebox.ids import parse_job_id
+from duebox.inspect_status import DUE_WITHIN
 from duebox.states import JobState
 from duebox.values import MAX_SPAN
 
 from .dashboard_cmd import dashboard
 from .dlq_cmd import dlq_group
 from .loading import load_app
-from .options import TEXT, F, FiniteRange, app_options, errors_as_messages, operator_options
+from .options import (
+    TEXT,
+    F,
+    FiniteRange,
+    app_options,
+    errors_as_messages,
+    operator_options,
+    unregistered_payloads_option,
+)
 from .processes import cpu_count, processes_option, run_processes
 from .routes_cmd import routes
 from .schedules_cmd import schedules
@@ -71,7 +79,7 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
     """Claim due jobs and hand them to the broker."""
     from duebox.relay import Relay
 
-    from .running import database_ready, run_until_signalled, serve_metrics
+    from .running import brokers_accept, database_ready, run_until_signalled, serve_metrics
 
     app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     app.configure(batch_size=batch_size, poll_interval=poll_interval)
@@ -80,6 +88,8 @@ def relay(app_spec: str | None, database_url: str | None, broker_url: str | None
 
     async def main(stop: asyncio.Event) -> None:
         if await database_ready(app, "relay", stop):
+            # A refused login ends the command with one line, before "started".
+            await brokers_accept([p.broker for p in r.pipelines], stop)
             await r.run(stop)
 
     run_until_signalled(main)
@@ -111,7 +121,7 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
     (docs/worker.md, "How many worker processes")."""
     from duebox.consumers import Worker
 
-    from .running import database_ready, run_until_signalled, serve_metrics
+    from .running import brokers_accept, database_ready, run_until_signalled, serve_metrics
 
     app = load_app(app_spec, database_url, broker_url, tables=False)  # waited for below
     if not app.tasks:
@@ -121,9 +131,15 @@ def worker(app_spec: str | None, database_url: str | None, broker_url: str | Non
                group_commit=group_commit)  # one line when it starts, one when it stops
     count = processes or cpu_count()
     if count > 1:
-        # The app, its tables and the options are checked here, once; each
-        # child builds its own worker from them.
-        if not run_until_signalled(functools.partial(database_ready, app, "worker")):
+        # The app, its tables, the broker's login and the options are checked
+        # here, once; each child builds its own worker from them.
+        async def ready(stop: asyncio.Event) -> bool:
+            if not await database_ready(app, "worker", stop):
+                return False
+            await brokers_accept([w.broker], stop)
+            return not stop.is_set()
+
+        if not run_until_signalled(ready):
             return
         app.dispose()
         options = {**click.get_current_context().find_root().params, "app_spec": app_spec,
@@ -205,17 +221,19 @@ def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | 
 
 @jobs.command("show")
 @app_options
+@unregistered_payloads_option
 @click.argument("job", type=TEXT)
 def jobs_show(app_spec: str | None, database_url: str | None, broker_url: str | None,
-              job: str) -> None:
-    """A job's timeline, attempts, audit rows and where it is now.
+              show_unregistered: bool, job: str) -> None:
+    """A job's payload (masked), timeline, attempts, audit rows and where it
+    is now.
 
     JOB is its id, its business key, or the start of its id as `jobs list`
     prints it."""
     from .inspect_jobs import show_job
 
     app = load_app(app_spec, database_url, broker_url)
-    click.echo(show_job(app, job, app.clock.now()))
+    click.echo(show_job(app, job, app.clock.now(), show_unregistered))
 
 
 @jobs.command("cancel")
@@ -244,11 +262,14 @@ def jobs_cancel(app_spec: str | None, database_url: str | None, broker_url: str 
               help="Start lateness over jobs started in the last WINDOW seconds.")
 @click.option("--max-due-age", type=FiniteRange(0, MAX_SPAN.total_seconds()), default=60.0,
               help="An oldest due job older than this is a problem.")
+@click.option("--due-within", type=FiniteRange(0, MAX_SPAN.total_seconds()), default=DUE_WITHIN,
+              help="A missing relay or worker is a problem when a job is in flight or due "
+                   "within this many seconds; with work due only later, a warning.")
 @click.option("--degraded-ok", is_flag=True,
               help="Exit 0 when degraded (warnings only), e.g. for a liveness probe.")
 def status(app_spec: str | None, database_url: str | None, broker_url: str | None,
            as_json: bool, watch: float | None, iterations: int | None, window: float,
-           max_due_age: float, degraded_ok: bool) -> None:
+           max_due_age: float, due_within: float, degraded_ok: bool) -> None:
     """Is it healthy? Backlog, in flight, DLQ, lateness and live processes.
 
     Exit status (for probes and cron alerts): 0 healthy, 3 degraded (warnings
@@ -264,7 +285,8 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
     shown = 0
     while True:
         report = build_report(app.engine, app.clock.now(), window=window,
-                              max_due_age=max_due_age, own_queues=app.settings.own_queues)
+                              max_due_age=max_due_age, own_queues=app.settings.own_queues,
+                              due_within=due_within)
         if watch is not None and not as_json:
             click.clear()
         click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True) if as_json

@@ -4,6 +4,10 @@ arguments the database can store, and errors as one line.
 A command never ends in a traceback: a bad option is click's usage error
 (exit 2); a refused value, a missing privilege, missing tables or an
 unreachable database is one line naming the cause and what to do (exit 1).
+A database or broker that kept refusing the connection (a wrong login,
+vhost, database or role: :class:`~duebox.errors.AccessRefusedError`) is one
+line and exit 78, EX_CONFIG, so a process manager does not restart it in a
+loop (docs/operators.md, "Exit statuses").
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, TypeVar
 import click
 from sqlalchemy import exc as sa_exc
 
-from duebox import DueboxError
+from duebox import AccessRefusedError, DueboxError
 from duebox.db import db_errors
 from duebox.values import shown, text_problem
 
@@ -28,9 +32,19 @@ def one_line(message: str) -> str:
     return shown(" ".join(message.split()))
 
 
+# sysexits.h: "something was found in an unconfigured or misconfigured state".
+EX_CONFIG = 78
+
+
+class Refused(click.ClickException):
+    """An AccessRefusedError as the command's one line: exit status 78."""
+
+    exit_code = EX_CONFIG
+
+
 def errors_as_messages(fn: F) -> F:
     """Run a command's body; what it raises on purpose, or a database error it
-    did not expect, becomes one line and exit status 1."""
+    did not expect, becomes one line and exit status 1 (78 for a refusal)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -39,6 +53,8 @@ def errors_as_messages(fn: F) -> F:
         try:
             with db_errors(action):
                 return fn(*args, **kwargs)
+        except AccessRefusedError as exc:
+            raise Refused(one_line(f"{type(exc).__name__}: {exc}")) from exc
         except DueboxError as exc:
             raise click.ClickException(one_line(f"{type(exc).__name__}: {exc}")) from exc
         except sa_exc.SQLAlchemyError as exc:
@@ -106,3 +122,12 @@ class FiniteRange(click.FloatRange):
             self.fail(f"{number!r} is not a finite number{' ' + rule if rule else ''}",
                       param, ctx)
         return number
+
+
+def unregistered_payloads_option(fn: F) -> F:
+    """--show-unregistered-payloads for the commands that show one job: the
+    option the masking note (duebox.masking) names."""
+    return click.option(
+        "--show-unregistered-payloads", "show_unregistered", is_flag=True,
+        help="Show the payload of a task the app does not register (its mask hook is "
+             "unknown, so it is hidden by default); the app's secret keys still apply.")(fn)

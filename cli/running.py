@@ -6,17 +6,16 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine
-from sqlalchemy import exc as sa_exc
 
+from duebox.brokers.base import Broker, open_broker
 from duebox.db import check_tables
-from duebox.errors import DatabaseError
-from duebox.logs import CollapsedLog
+from duebox.errors import AccessRefusedError, DatabaseError
+from duebox.trouble import TROUBLES, cause_of
 
 if TYPE_CHECKING:
     from duebox import Duebox
@@ -25,7 +24,7 @@ T = TypeVar("T")
 log = logging.getLogger("duebox.cli")
 
 # How often a process waiting for its database at start asks again; it says
-# so once per CollapsedLog interval (30 s), with a count.
+# so once per interval of duebox.trouble (30 s), with a count.
 _ASK_EVERY = 1.0
 
 
@@ -50,20 +49,24 @@ def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[T]]) -> T | No
 async def database_ready(app: Duebox, action: str, stop: asyncio.Event) -> bool:
     """Whether the app's database answers, with duebox's tables: a relay or
     worker started while its database cannot be reached waits for it (one
-    line per interval), as it rides out an outage once running; False if
-    ``stop`` came first.  A database that answers without duebox's tables
-    or a privilege, or a missing SQLite file, is raised at once: waiting
-    would not mend it."""
-    said = CollapsedLog(log)
+    line per interval, duebox.trouble), as it rides out an outage once
+    running; False if ``stop`` came first.  A database that answers without
+    duebox's tables or a privilege, or a missing SQLite file, is raised at
+    once: waiting would not mend it.  One that refuses the connection (a
+    wrong password, an unknown database or role) is asked again through the
+    grace of duebox.trouble, then raised as AccessRefusedError."""
     waited = False
     while not stop.is_set():
         try:
             await asyncio.to_thread(check_tables, app.engine, action)
         except DatabaseError as exc:
-            if not await asyncio.to_thread(_unreachable, app.engine):
+            cause = cause_of(exc)
+            if cause is None:
                 raise
-            said.warning("unreachable", "%s; waiting for it (asking every %g s)", exc,
-                         _ASK_EVERY)
+            TROUBLES.report(cause, log, action, stops=True,
+                            then=f"waiting for it (asking every {_ASK_EVERY:g} s)")
+            if TROUBLES.final(cause):
+                raise AccessRefusedError(TROUBLES.ended(cause)) from exc
             waited = True
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), _ASK_EVERY)
@@ -74,16 +77,14 @@ async def database_ready(app: Duebox, action: str, stop: asyncio.Event) -> bool:
     return False
 
 
-def _unreachable(engine: Engine) -> bool:
-    """Whether no connection to the database opens (a server that is down,
-    starting, or out of reach; a file database is never down)."""
-    if engine.dialect.name == "sqlite":  # connecting would create a missing file
-        return False
-    try:
-        with engine.connect():
-            return False
-    except (sa_exc.OperationalError, sa_exc.InterfaceError):
-        return True
+async def brokers_accept(brokers: Sequence[Broker], stop: asyncio.Event) -> None:
+    """Before a relay or a supervisor of workers says it started: raise
+    AccessRefusedError when a broker keeps refusing the connection (a wrong
+    login or vhost) through the grace, so the command ends with that one
+    line.  A broker out of reach is left to the processes, which retry."""
+    for broker in brokers:
+        if await open_broker(broker, stop, refusals_only=True):
+            await broker.close()
 
 
 def serve_metrics(port: int | None, host: str,

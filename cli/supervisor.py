@@ -55,12 +55,10 @@ from prometheus_client.registry import Collector
 from duebox.errors import ConfigurationError
 
 from .metrics_dir import MetricsDir
+from .options import EX_CONFIG  # a child's exit status for an error it would meet again
 
 log = logging.getLogger("duebox.supervisor")
 
-# A child's exit status for an error it would meet again at every start
-# (sysexits.h: "something was found in an unconfigured or misconfigured state").
-EX_CONFIG = 78
 
 STARTUP_SECONDS = 30.0  # a child that exits sooner failed to start (imports are slow under load)
 GIVE_UP = 5  # quick exits in a row, in one slot, that stop the supervisor

@@ -36,6 +36,7 @@ from duebox.logs import job_fields, log_traced
 from duebox.masking import masked_text
 from duebox.states import LeaseVerdict
 from duebox.tasks import JobContext, JobControl, Task
+from duebox.trouble import log_trouble
 
 from .dedupe import SQLDedupeStore
 from .handler_session import HandlerSession
@@ -363,7 +364,8 @@ class Execution:
             try:
                 ok = await self.pools.db(self.heartbeat)
             except DatabaseError as exc:
-                log.warning("job %s: heartbeat failed: %s", self.rec.id, exc)
+                log_trouble(log, "a job's heartbeat", exc, "job %s: heartbeat failed: %s",
+                            self.rec.id, exc)
                 ok = True
             if not ok:
                 log.warning("job %s: the lease is gone (cancelled or taken over); "

@@ -54,6 +54,7 @@ from duebox.logs import CollapsedLog, kind_of
 from duebox.message import ORDERING_KEY_HEADER, stored_payload_ok
 from duebox.tasks import Task
 from duebox.timing import HANDOVER_GATHER, LANE_HOLD_MOST, LANE_LOCK_LEAD
+from duebox.trouble import log_trouble
 from duebox.waiting import wait_any
 
 from .batch import Batch, Batches, BatchOutcome, Item, Kind, Running
@@ -685,8 +686,8 @@ class Runner:
             try:
                 renewed = await self.pools.db(self._renew, stale)
             except Exception as exc:  # the next round tries again
-                log.warning("renewing the leases of %d waiting jobs failed: %s",
-                            len(stale), exc)
+                log_trouble(log, "renewing leases", exc,
+                            "renewing the leases of %d waiting jobs failed: %s", len(stale), exc)
                 continue
             now = self.app.clock.now()
             for item in self._leased:

@@ -50,6 +50,7 @@ from duebox.registry import check_queue_name
 from duebox.states import Discard
 from duebox.tasks import Task
 from duebox.timing import EARLY_HOLD_SECONDS, EXECUTOR_HOLD_MOST, REREAD_LEAD
+from duebox.trouble import log_trouble
 
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
@@ -233,7 +234,8 @@ class Worker:
                 for _ in range(count)))
         except Exception as exc:
             holding.abort()
-            log.warning("warming up the worker's connections failed: %s", exc)
+            log_trouble(log, "warming up", exc, "warming up the worker's connections failed: %s",
+                        exc)
 
     async def _consume(self) -> None:
         """Hand every delivery to a task of its own.  Whatever a broker or

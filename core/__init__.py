@@ -11,6 +11,7 @@ from .app import Duebox
 from .clock import Clock, DatabaseClock, FakeClock, SystemClock
 from .config import Settings
 from .errors import (
+    AccessRefusedError,
     AmbiguousJobError,
     BrokerError,
     ConfigurationError,
@@ -76,6 +77,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DUPLICATE",
+    "AccessRefusedError",
     "AmbiguousJobError",
     "Background",
     "BrokerError",

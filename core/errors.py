@@ -6,7 +6,9 @@ original chained as ``__cause__``::
 
     DueboxError
     ├── ConfigurationError        bad settings, URLs, --app strings
-    │   └── MissingDependencyError  an optional driver is not installed
+    │   ├── MissingDependencyError  an optional driver is not installed
+    │   └── AccessRefusedError      the database or broker kept refusing the login,
+    │                               vhost, database or role: the relay or worker stops (78)
     ├── ValidationError           bad input to the API or a message (names the field)
     │   ├── UnknownTaskError
     │   ├── AmbiguousJobError     an id prefix that names more than one job
@@ -15,6 +17,9 @@ original chained as ``__cause__``::
     │   ├── PermissionDeniedError   the database role lacks a privilege the action needs
     │   └── TablesMissingError      no duebox tables yet: run `duebox db upgrade`
     ├── BrokerError               the broker is unreachable or refused a publish
+    │   └── BrokerUnreachableError  no connection to it (retried)
+    │       └── BrokerRefusedError    it answered and refused the connection (retried
+    │                                 for a short grace, then AccessRefusedError)
     └── JobStateError             the job is not in a state that allows the action
         ├── JobNotFoundError
         ├── LeaseLostError        a fenced write matched no row: another owner moved on
@@ -113,6 +118,31 @@ class TablesMissingError(DatabaseError):
 
 class BrokerError(DueboxError):
     """The broker could not be reached or refused a message."""
+
+
+class BrokerUnreachableError(BrokerError):
+    """No connection to the broker at ``where`` (refused, reset, timed out):
+    the relay and the worker retry until it answers."""
+
+    def __init__(self, where: str, detail: str) -> None:
+        super().__init__(f"cannot connect to {where}: {detail}")
+        self.where = where
+        self.detail = detail
+
+
+class BrokerRefusedError(BrokerUnreachableError):
+    """The broker answered and refused the connection: a login it does not
+    know, a vhost that is not there or not permitted.  Waiting rarely mends
+    that, but a broker still loading its users does it for a moment: the
+    relay and the worker retry for a short grace, then stop
+    (:class:`AccessRefusedError`)."""
+
+
+class AccessRefusedError(ConfigurationError):
+    """The database or the broker refused the connection throughout the
+    grace (duebox.trouble): a wrong password, an unknown user, role, vhost
+    or database.  The ``duebox relay`` and ``worker`` commands stop with
+    exit status 78 (EX_CONFIG) and this one line."""
 
 
 class JobStateError(DueboxError):

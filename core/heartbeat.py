@@ -35,6 +35,7 @@ from .db import db_errors
 from .errors import DatabaseError
 from .liveness import SessionLock
 from .tables import lease
+from .trouble import log_trouble
 
 log = logging.getLogger("duebox.heartbeat")
 
@@ -190,7 +191,8 @@ class ProcessHeartbeat:
             with db_errors("registering the process"):
                 self.beat_once()
         except DatabaseError as exc:
-            log.warning("cannot register this process yet: %s", exc)
+            log_trouble(log, "registering the process", exc,
+                        "cannot register this process yet: %s", exc)
             self.sync_clock_once()
 
     def sync_clock_once(self) -> None:
@@ -201,7 +203,8 @@ class ProcessHeartbeat:
             with db_errors("reading the database's clock"), self.engine.connect() as conn:
                 sync_clock(self.clock, conn)
         except DatabaseError as exc:
-            log.warning("cannot read the database's clock yet: %s", exc)
+            log_trouble(log, "reading the database's clock", exc,
+                        "cannot read the database's clock yet: %s", exc)
 
     def remove_once(self) -> None:
         with self._row_lock:
@@ -229,7 +232,7 @@ class ProcessHeartbeat:
                     last_tick = now
                     await asyncio.to_thread(self.tick)
             except Exception as exc:  # never fatal: the next beat retries
-                log.warning("%s: heartbeat failed: %s", self.name, exc)
+                log_trouble(log, "heartbeat", exc, "%s: heartbeat failed: %s", self.name, exc)
             wait = min(self.interval, self.tick_interval if self.tick else self.interval)
             self._wake.clear()
             if self._poked:
@@ -249,7 +252,8 @@ class ProcessHeartbeat:
         try:
             await asyncio.to_thread(self.remove_once)
         except Exception as exc:  # the row expires on its own
-            log.warning("%s: could not remove the heartbeat row: %s", self.name, exc)
+            log_trouble(log, "removing the heartbeat row", exc,
+                        "%s: could not remove the heartbeat row: %s", self.name, exc)
         if self.lock is not None:  # after the row: a row never outlives its lock
             await asyncio.to_thread(self.lock.release)
 

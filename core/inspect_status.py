@@ -10,6 +10,11 @@ The verdict is one of three (:class:`Verdict`): ``healthy``; ``degraded``
 (warnings only: dead-lettered jobs, a shard without an owner, no relay or
 worker while there is no work); ``unhealthy`` (problems: no relay or worker
 while there is work, an oldest due job older than ``max_due_age``).
+
+Work, for the missing processes, is what needs them soon: a job in flight
+(``DISPATCHING``, ``ENQUEUED``, ``RUNNING``), or one ``SCHEDULED`` that is
+due within ``due_within`` seconds.  A job due in an hour needs no relay yet:
+one started in the meantime takes it in time.
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ from .tables import job, lease, rate_bucket
 _LOOKBACK = timedelta(hours=1)
 SAMPLE_CAP = 5000
 _STARTED_STATES = (JobState.RUNNING, JobState.SUCCEEDED, JobState.DEAD)
-_ACTIVE_STATES = (JobState.SCHEDULED, JobState.DISPATCHING, JobState.ENQUEUED, JobState.RUNNING)
+_IN_FLIGHT_STATES = (JobState.DISPATCHING, JobState.ENQUEUED, JobState.RUNNING)
+# A relay claims a job about this long before it is due (the hold and the
+# broker's delay take it from there), and a probe runs about once a minute:
+# a job due within it with no relay to claim it is a problem now.
+DUE_WITHIN = 60.0
 
 
 class Verdict(StrEnum):
@@ -215,28 +224,36 @@ def _state_counts(conn: Connection, cap: int) -> tuple[dict[str, int], bool]:
     return counts, capped
 
 
-def _worker_work(conn: Connection, own_queues: Collection[str], active: int) -> int:
-    """Active jobs a duebox worker is expected for: those outside the queues
-    your own consumer reads (docs/own-consumers.md); capped like the counts."""
-    if not own_queues or not active:
-        return active
-    ids = (select(job.c.id).where(job.c.state.in_(list(_ACTIVE_STATES)),
-                                  job.c.queue.not_in(sorted(own_queues)))
-           .limit(max(active, 1)).subquery())
-    return int(conn.execute(select(func.count()).select_from(ids)).scalar_one())
+def _pressing(conn: Connection, horizon: datetime, cap: int,
+              own_queues: Collection[str] = ()) -> int:
+    """Jobs that need a relay and a worker soon (the module's docstring),
+    outside ``own_queues`` (the queues your own consumer reads need no duebox
+    worker: docs/own-consumers.md); capped like the counts.  Two ranges of
+    the ``(state, due_at)`` index."""
+    outside = [job.c.queue.not_in(sorted(own_queues))] if own_queues else []
+    n = 0
+    for where in (job.c.state.in_(list(_IN_FLIGHT_STATES)),
+                  (job.c.state == JobState.SCHEDULED) & (job.c.due_at <= horizon)):
+        ids = select(job.c.id).where(where, *outside).limit(cap).subquery()
+        n += int(conn.execute(select(func.count()).select_from(ids)).scalar_one())
+    return n
 
 
 def build_report(engine: Engine, now: datetime, *, window: float = 300.0,
                  max_due_age: float = 60.0, overdue_after: float = 60.0,
                  cap: int = DEFAULT_COUNT_CAP, top_tenants: int = 20,
-                 own_queues: Collection[str] = ()) -> StatusReport:
+                 own_queues: Collection[str] = (), due_within: float = DUE_WITHIN
+                 ) -> StatusReport:
     """``own_queues``: the queues your own consumer reads (the app's
-    ``own_consumer_queues``): their jobs need a relay but no duebox worker."""
+    ``own_consumer_queues``): their jobs need a relay but no duebox worker.
+    ``due_within``: seconds ahead in which a scheduled job is work that a
+    missing relay or worker makes a problem (the module's docstring)."""
     reader = engine.execution_options(**{SQLITE_DEFERRED: True})
+    horizon = now + timedelta(seconds=due_within)
     with db_errors("status"), reader.connect() as conn:
         states, states_capped = _state_counts(conn, cap)
-        active = sum(n for state, n in states.items() if state in _ACTIVE_STATES)
-        for_workers = _worker_work(conn, own_queues, active)
+        active = _pressing(conn, horizon, cap)
+        for_workers = _pressing(conn, horizon, cap, own_queues) if own_queues else active
         snap = read_snapshot(conn, now, overdue_after=overdue_after, cap=cap,
                              top_tenants=top_tenants)
         sample = lateness_sample(conn, now, window)

@@ -44,6 +44,7 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
 from .clock import server_source_sql
+from .trouble import log_trouble
 
 log = logging.getLogger("duebox.liveness")
 
@@ -147,16 +148,18 @@ class SessionLock:
         except Exception as exc:  # the database is down: the keeper retries
             self._drop()
             if not self._warned:
-                log.warning("%s: cannot take the liveness lock yet (%s); until it is "
-                            "held, a crash of this process is noticed by lease expiry only",
+                log_trouble(log, "liveness lock", exc,
+                            "%s: cannot take the liveness lock yet (%s); until it is held, a "
+                            "crash of this process is noticed by lease expiry only",
                             self.name, exc)
                 self._warned = True
             return
         if took:
             if self.ever_held and not self.held:
                 self.retaken += 1
-                log.warning("%s: liveness lock taken again after its connection dropped",
-                            self.name)
+                # The end of a trouble already said: news, not a problem.
+                log.info("%s: liveness lock taken again after its connection dropped",
+                         self.name)
             self.held = self.ever_held = True
             self._warned = False
         elif not self._warned:
@@ -212,22 +215,25 @@ class SessionLock:
         while not self._stop.wait(KEEP_INTERVAL):
             if self.dialect == "sqlite" and self.held:
                 continue  # a file lock ends only with this process
-            if self.held and self._alive():
+            lost = self._lost() if self.held else None
+            if self.held and lost is None:
                 continue
-            if self.held:
-                log.warning("%s: the liveness lock's connection dropped; taking it again",
-                            self.name)
+            if lost is not None:
+                log_trouble(log, "liveness lock", lost,
+                            "%s: the liveness lock's connection dropped (%s); taking it again",
+                            self.name, lost)
             self.held = False
             self._drop()
             self._try_take()
 
-    def _alive(self) -> bool:
+    def _lost(self) -> Exception | None:
+        """Why the lock's connection no longer answers; None while it does."""
         assert self._conn is not None
         try:
             self._conn.exec_driver_sql("SELECT 1").scalar()
-        except Exception:
-            return False
-        return True
+        except Exception as exc:
+            return exc
+        return None
 
     def _drop(self) -> None:
         if self._conn is not None:

@@ -5,7 +5,10 @@ A relay or worker talks to its broker through a client library that logs a
 lot at INFO (pika wrote over 100 lines per process in a few minutes: every
 connection, channel and close).  Those libraries sit at WARNING unless
 ``--log-level DEBUG`` asks for everything; duebox's own lines say what
-matters.  Your own program configures logging its own way: this is only the
+matters.  pika sits above ERROR: it logs a failed connection attempt at
+ERROR in five or six lines, and every one of its failures reaches duebox as
+an exception that duebox's own line names (once per cause per interval,
+duebox.trouble).  Your own program configures logging its own way: this is only the
 command's (use :class:`JsonFormatter` there too if you like).
 
 ``--log-format json`` (``DUEBOX_LOG_FORMAT=json``) writes one JSON object per
@@ -27,6 +30,8 @@ from typing import Any
 # wanted by `duebox db upgrade` only (it raises alembic back to INFO).
 QUIET = ("pika", "aiokafka", "kafka", "botocore", "boto3", "urllib3", "s3transfer",
          "alembic", "asyncio")
+# Loggers whose every error reaches duebox as an exception it reports itself.
+FOLDED = ("pika",)
 # A job's fields; the last three only on the line of a finished job
 # (``log_jobs``, consumers/job_lines.py).
 FIELDS = ("job_id", "task", "queue", "attempt", "outcome", "run_s", "late_s")
@@ -58,7 +63,8 @@ class JsonFormatter(logging.Formatter):
 
 def configure(level: str = "INFO", fmt: str = "text") -> None:
     """The command's logging: ``level`` for duebox, WARNING for the client
-    libraries in :data:`QUIET` (unless ``level`` is DEBUG), ``fmt`` text or
+    libraries in :data:`QUIET` and CRITICAL for those in :data:`FOLDED`
+    (unless ``level`` is DEBUG), ``fmt`` text or
     json, on stderr."""
     root = logging.getLogger()
     if not root.handlers:  # as logging.basicConfig: a host's handlers stay its own
@@ -67,6 +73,8 @@ def configure(level: str = "INFO", fmt: str = "text") -> None:
                              else logging.Formatter(TEXT_FORMAT))
         root.addHandler(handler)
     root.setLevel(level.upper())
-    quiet = logging.DEBUG if level.upper() == "DEBUG" else logging.WARNING
+    everything = level.upper() == "DEBUG"
     for name in QUIET:
-        logging.getLogger(name).setLevel(quiet)
+        logging.getLogger(name).setLevel(logging.DEBUG if everything else logging.WARNING)
+    for name in FOLDED:
+        logging.getLogger(name).setLevel(logging.DEBUG if everything else logging.CRITICAL)

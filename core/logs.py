@@ -11,6 +11,10 @@ with that count::
     relay pass failed (database unreachable ...); retrying in 10.0s [41 more like this in 30s]
 
 A traceback (``exc_info``) is written the first time a kind is logged only.
+An event whose exception has a cause (the database or a broker out of reach,
+or refusing the connection: duebox.causes) is not this logger's to write: it
+goes to the process's registry (duebox.trouble), which writes one line per
+cause per interval across every logger, in duebox's words.
 :meth:`CollapsedLog.flush` reports the repeats still uncounted once their
 interval has passed with no further line to carry them (the relay calls it
 after every pass), so a count is never lost to a quiet log.  Thread-safe:
@@ -20,73 +24,12 @@ the worker logs from its executor threads too.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-# Kinds remembered at most (a kind that embeds a value must not grow this
-# without bound): the oldest are forgotten first.
-_MAX_KINDS = 512
-
-
-@dataclass
-class _Seen:
-    since: float  # when the last line of this kind was written
-    repeats: int = 0  # events since then, not written
-    last: Any = None  # the latest of them, to write with the count when flushed
-
-
-class _Windows:
-    """Per kind, when a line was last written and what was held back since."""
-
-    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
-        self.interval = interval
-        self.clock = clock
-        self.kinds: dict[str, _Seen] = {}
-        self.traced: set[str] = set()
-        self.pending = False  # some kind holds repeats not yet written
-        self.lock = threading.Lock()
-
-    def admit(self, kind: str, last: Any) -> tuple[bool, int, float, bool]:
-        """Whether to write this event now, how many were held back since the
-        last line of its kind, over how long, and whether it is the kind's
-        first line (which alone keeps its traceback)."""
-        now = self.clock()
-        with self.lock:
-            seen = self.kinds.get(kind)
-            if seen is not None and now - seen.since < self.interval:
-                seen.repeats += 1
-                seen.last = last
-                self.pending = True
-                return False, 0, 0.0, False
-            repeats, since = (seen.repeats, seen.since) if seen is not None else (0, now)
-            self.kinds.pop(kind, None)  # re-inserted last: the dict stays in age order
-            self.kinds[kind] = _Seen(now)
-            while len(self.kinds) > _MAX_KINDS:
-                del self.kinds[next(iter(self.kinds))]
-            first = kind not in self.traced
-            if first:
-                self.traced.add(kind)
-                if len(self.traced) > _MAX_KINDS:
-                    self.traced.clear()
-            return True, repeats, now - since, first
-
-    def due(self) -> list[tuple[Any, int, float]]:
-        """The held-back events whose interval has passed with no line to
-        carry their count: (latest event, count, span)."""
-        if not self.pending:  # the common case: one attribute read
-            return []
-        now = self.clock()
-        with self.lock:
-            done = []
-            for kind, seen in self.kinds.items():
-                if seen.repeats and seen.last is not None and now - seen.since >= self.interval:
-                    done.append((seen.last, seen.repeats, now - seen.since))
-                    self.kinds[kind] = _Seen(now)
-            self.pending = any(s.repeats for s in self.kinds.values())
-        return done
+from .collapsing import Windows
+from .trouble import TROUBLES, cause_in
 
 
 class CollapsedLog:
@@ -96,7 +39,7 @@ class CollapsedLog:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.logger = logger
         self.interval = interval
-        self._windows = _Windows(interval, clock)
+        self._windows = Windows(interval, clock)
 
     def warning(self, kind: str, msg: str, *args: object,
                 exc_info: BaseException | bool | None = None) -> bool:
@@ -115,6 +58,11 @@ class CollapsedLog:
         than ``interval`` seconds ago; True if written."""
         if not self.logger.isEnabledFor(level):
             return False
+        # Trouble (a warning or worse) with a cause: the registry's line,
+        # shared with every logger; routine news stays this logger's.
+        cause = cause_in(exc_info, args) if level >= logging.WARNING else None
+        if cause is not None:
+            return TROUBLES.report(cause, self.logger, kind.split(":")[0], level)
         write, repeats, span, first = self._windows.admit(kind, (level, msg, args))
         if not write:
             return False
@@ -128,6 +76,7 @@ class CollapsedLog:
         """Write the counts of repeats not yet reported whose interval has
         passed (the condition ended before another event of its kind came to
         carry them).  Cheap when there are none: call it as often as you like."""
+        TROUBLES.flush()
         for (level, msg, args), repeats, span in self._windows.due():
             self.logger.log(level, msg + " [%d like this in %.0fs]", *args, repeats, span)
 
@@ -142,7 +91,7 @@ class CollapsingFilter(logging.Filter):
     def __init__(self, interval: float = 30.0, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self._windows = _Windows(interval, clock)
+        self._windows = Windows(interval, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
         write, repeats, span, first = self._windows.admit(f"{record.name}:{record.msg}", None)

@@ -25,12 +25,14 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import pika
 import pika.exceptions
 import pika.frame
 import pika.spec
 import pytest
+from backends import rabbitmqctl
 from conftest import reset_tables
 from helpers import (
     check_no_early_start,
@@ -45,6 +47,7 @@ from helpers import (
 import duebox
 from duebox.brokers import amqp_link, amqp_pack
 from duebox.brokers.amqp import AMQPBroker
+from duebox.brokers.amqp_settings import AMQPSettings
 from duebox.brokers.amqp_topology import (
     LEVELS,
     MAX_DELAY_MS,
@@ -261,6 +264,13 @@ def test_registry_maps_amqp_and_amqps() -> None:
     ("confirm_timeout=-1", "confirm_timeout"),
     ("max_delay=5000000", "max_delay"),
     ("frobnicate=1", "frobnicate"),
+    ("tier_base=1", "tier_base"),
+    ("tier_base=17", "tier_base"),
+    ("tier_base=2.5", "tier_base"),
+    ("tier_precision=0", "tier_precision"),
+    ("tier_precision=0.0015", "tier_precision"),
+    ("tier_precision=61", "tier_precision"),
+    ("tier_precision=nan", "tier_precision"),
 ])
 def test_bad_url_parameters_name_the_field(query: str, field: str) -> None:
     with pytest.raises(ConfigurationError, match=field):
@@ -342,6 +352,42 @@ def test_tier_topology_routes_every_delay_through_its_digits() -> None:
         assert total == ms, ms
         assert path == [*t.stops(ms), "duebox.q.orders"]
         assert len(path) - 1 <= LEVELS
+
+
+SHAPES = {  # URL options: tier queues they declare (docs/brokers.md, "How many tier queues")
+    "": 120,
+    "tier_base=2&tier_precision=1": 23,
+    "tier_base=4&tier_precision=1": 34,
+    "tier_precision=0.1": 92,
+    "max_delay=3600": 78,
+    "tier_base=16&tier_precision=1&max_delay=86400": 61,
+}
+
+
+@pytest.mark.parametrize("query", list(SHAPES))
+def test_a_chosen_tier_shape_routes_every_delay_never_early_within_one_unit(query: str) -> None:
+    t = AMQPSettings.from_url(f"amqp://h/?{query}").topology
+    unit = t.tiers.precision_ms
+    ops = t.base_ops() + t.tier_ops() + t.queue_ops("orders", plugin=False)
+    tiers = [o for o in ops if isinstance(o, QueueDecl) and ".delay" in o.name]
+    assert len(tiers) == SHAPES[query]
+    # Its own names: two shapes under one prefix never share a queue.
+    assert all(o.name.startswith("duebox.delay.") == (query == "") for o in tiers)
+    longest = t.tiers.ceiling_ms / 1000
+    rng = random.Random(11)
+    for seconds in [0.001, 0.999, 1.0, 1.001, 59.5, longest, *(
+            rng.uniform(0.001, longest) for _ in range(100))]:
+        ms = delay_ms(seconds)
+        route = t.route("orders", seconds, plugin=False)
+        path, total = simulate(ops, route.exchange, route.routing_key)
+        assert ms <= total < ms + unit, (query, seconds, total)  # never early
+        assert total == route.delay_ms
+        assert path == [*t.stops(ms), "duebox.q.orders"]
+        assert len(path) - 1 <= t.tiers.levels
+    assert all(o.arguments["x-message-ttl"] <= MAX_DELAY_MS for o in tiers)  # RabbitMQ's most
+    if "max_delay" in query:  # beyond it: refused, never cut short
+        with pytest.raises(ValidationError, match="max_delay"):
+            t.route("orders", longest + unit / 1000, plugin=False)
 
 
 def test_immediate_route_is_mandatory_on_the_direct_exchange() -> None:
@@ -675,6 +721,26 @@ async def test_auto_mode_without_the_plugin_probes_quietly(
 # --- against the real RabbitMQ: the tier topology ------------------------------------
 
 
+async def delivered_after(pub: AMQPBroker, collector: Collector, q: str, delays: list[float]
+                          ) -> list[tuple[float, Delivery, float, float]]:
+    """Publish one message per delay, one at a time, and wait for them all:
+    (arrived, delivery, published, delay) each, none delivered early."""
+    sent = {}
+    for d in delays:
+        msg = message(q, d)
+        before = time.time()
+        [r] = await pub.publish([Outgoing(msg, d)])
+        assert r.ok, r
+        sent[msg.job_id] = (before, d)
+    out = []
+    for arrived, delivery in await collector.wait(len(delays), within=15):
+        assert delivery.message is not None
+        before, d = sent[delivery.message.job_id]
+        assert arrived - before >= d, f"delay {d}s delivered early"
+        out.append((arrived, delivery, before, d))
+    return out
+
+
 async def test_tier_delays_are_exact_stops_and_never_early(amqp_url: str) -> None:
     q = unique()
     url = f"{amqp_url}?delay_mode=tiers"  # auto picks the plugin where CI enables it
@@ -682,18 +748,8 @@ async def test_tier_delays_are_exact_stops_and_never_early(amqp_url: str) -> Non
     collector = await Collector.ready(con, pub, q)
     try:
         delays = [0.0, 0.001, 0.017, 0.273, 1.5, 2.047, 3.5]
-        sent = {}
-        for d in delays:
-            msg = message(q, d)
-            before = time.time()
-            [r] = await pub.publish([Outgoing(msg, d)])
-            assert r.ok, r
-            sent[msg.job_id] = (before, d)
-        got = await collector.wait(len(delays), within=15)
-        for arrived, delivery in got:
-            assert delivery.message is not None
-            before, d = sent[delivery.message.job_id]
-            assert arrived - before >= d, f"delay {d}s delivered early"
+        got = await delivered_after(pub, collector, q, delays)
+        for arrived, delivery, before, d in got:
             assert arrived - before < d + 1.0, f"delay {d}s delivered {arrived - before:.3f}s"
             if d == 0:
                 assert delivery.extra["exchange"] == "duebox.direct"
@@ -742,6 +798,37 @@ async def test_no_head_of_line_blocking_and_bounded_queues(amqp_url: str) -> Non
             held = sum(ch.queue_declare(t.tier_queue(j, d), passive=True).method.message_count
                        for j in range(LEVELS) for d in range(1, 16))
         assert held >= 98  # every long one waits in one of the 120 fixed tier queues
+    finally:
+        await collector.stop()
+        await pub.close()
+
+
+async def test_a_chosen_tier_shape_holds_fewer_queues_and_never_delivers_early(
+        amqp_url: str) -> None:
+    """Base 2 at 250 ms: 25 tier queues in the vhost instead of 120 (#33
+    item 9), delays rounded up to 250 ms, and each message stops exactly in
+    the queues of its digits."""
+    q, prefix = unique(), unique("shape")
+    url = f"{amqp_url}?delay_mode=tiers&prefix={prefix}&tier_base=2&tier_precision=0.25"
+    pub, con = broker(url, "pub"), broker(url, "con")
+    assert pub.capabilities.delay_precision == 0.25  # the relay rounds up to it
+    collector = await Collector.ready(con, pub, q)
+    try:
+        vhost = urlsplit(amqp_url).path.lstrip("/")
+        listed = rabbitmqctl("list_queues", "-p", vhost, "--no-table-headers", "name").split()
+        assert len([n for n in listed if n.startswith(f"{prefix}.delay")]) == 25
+        # Just under whole quarter seconds: rounded up to 1, 2, 4 and 7 of
+        # them (1, 1, 1 and 3 stops), however long a publish takes here.
+        units_of = {0.24: 1, 0.49: 2, 0.99: 4, 1.74: 7}
+        got = await delivered_after(pub, collector, q, list(units_of))
+        tiers = pub.topology.tiers
+        for _, delivery, _, d in got:
+            key = delivery.extra["routing_key"]  # quarter seconds in base 2
+            units = int("".join(key.split(".")[:tiers.levels]), 2)
+            assert units == units_of[d], (d, key)
+            deaths = delivery.extra["headers"].get("x-death") or []
+            stops = pub.topology.stops(units * 250)
+            assert sorted(x["queue"] for x in deaths) == sorted(stops), d
     finally:
         await collector.stop()
         await pub.close()

@@ -50,6 +50,31 @@ def test_jobs_show_prints_timeline_and_where_it_is(runner: CliRunner, database_u
     assert str(job_id) in listed.output
 
 
+def test_jobs_show_prints_the_payload_masked_and_its_hint_names_a_real_option(
+        runner: CliRunner, database_url: str) -> None:
+    """`jobs show` printed no payload, and without --app told people to pass
+    --show-unregistered-payloads, which it did not have (#33 item 8)."""
+    app = cli_app.app
+    with Session(app.engine) as session, session.begin():
+        job_id = app.schedule(session, "cli.noop", {"user": "bob", "password": "hunter2"},
+                              delay=3600)
+    app.dispose()
+    known = runner.invoke(cli, ["jobs", "show", str(job_id), "--app", "tests.apps.cli_app:app"])
+    assert known.exit_code == 0, known.output
+    assert '  payload {"password": "****", "user": "bob"}' in known.output, known.output
+    unknown = runner.invoke(cli, ["jobs", "show", str(job_id)])
+    assert unknown.exit_code == 0, unknown.output
+    assert "hunter2" not in unknown.output
+    assert "bob" not in unknown.output
+    [hint] = [line for line in unknown.output.splitlines() if "payload" in line]
+    assert "--show-unregistered-payloads" in hint, unknown.output
+    for command in (["jobs", "show"], ["dlq", "show"]):
+        asked = runner.invoke(cli, [*command, str(job_id), "--show-unregistered-payloads"])
+        assert asked.exit_code == 0, asked.output
+        # Shown, and the app's secret keys still apply.
+        assert '  payload {"password": "****", "user": "bob"}' in asked.output, asked.output
+
+
 def test_jobs_cancel_requires_operator_and_reason_and_writes_audit(
     runner: CliRunner, database_url: str
 ) -> None:
@@ -82,6 +107,26 @@ def test_status_json_counts_due_backlog(runner: CliRunner, database_url: str) ->
     assert "no live worker" in report["problems"]
     assert report["states"] == {"SCHEDULED": 2}
     assert report["queues"]["default"]["due_backlog"] == 1
+
+
+def test_status_counts_only_work_due_soon_against_missing_processes(
+        runner: CliRunner, database_url: str) -> None:
+    """No relay and the only job due in an hour: degraded (3), not unhealthy
+    (4), since a relay started meanwhile takes it in time (#33 item 9);
+    --due-within says how far ahead a job counts."""
+    _schedule(database_url, delay=3600)
+    later = runner.invoke(cli, ["status", "--json"])
+    assert later.exit_code == 3, later.output
+    report = json.loads(later.output)
+    assert report["problems"] == []
+    assert "no live worker" in report["warnings"]
+    assert any(w.startswith("no live relay") for w in report["warnings"])
+    ahead = runner.invoke(cli, ["status", "--json", "--due-within", "7200"])
+    assert ahead.exit_code == 4, ahead.output
+    assert "no live worker" in json.loads(ahead.output)["problems"]
+    bad = runner.invoke(cli, ["status", "--due-within", "-1"])
+    assert bad.exit_code == 2
+    assert "--due-within" in bad.output
 
 
 @pytest.mark.parametrize(

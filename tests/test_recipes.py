@@ -174,6 +174,10 @@ def test_fastapi_recipe_schedules_in_the_request_and_runs_in_the_lifespan(
             httpx.Client(base_url=f"http://127.0.0.1:{port}") as http:
         wait_until(lambda: answers(http), "uvicorn to answer", check)
         wait_until(lambda: registered(shop_db), "the lifespan's relay and worker", check)
+        # Before a stock row exists: refused as documented (examples/README.md),
+        # not a 500 from the order's foreign key.
+        early = http.post("/orders", json={"item": "tea", "quantity": 1})
+        assert early.status_code == 409, early.text
         execute(shop_db, "INSERT INTO fastapi_shop_stock VALUES ('tea', 3)")
         placed = http.post("/orders", json={"item": "tea", "quantity": 2, "confirm_after": 0.5})
         assert placed.status_code == 201, placed.text
@@ -201,10 +205,12 @@ def test_flask_recipe_schedules_in_db_session_and_runs_beside_it(
     shop = fresh_import("flask_shop.main", monkeypatch)
     app = shop.create_app()
     try:
+        client = app.test_client()
+        # Before a stock row exists: refused, not a 500 from the foreign key.
+        assert client.post("/orders", json={"item": "tea", "quantity": 1}).status_code == 409
         with app.app_context():
             shop.db.session.execute(text("INSERT INTO flask_shop_stock VALUES ('tea', 3)"))
             shop.db.session.commit()
-        client = app.test_client()
         placed = client.post("/orders", json={"item": "tea", "quantity": 2})
         assert placed.status_code == 201, placed.text
         assert client.post("/orders", json={"item": "tea", "quantity": 2}).status_code == 409

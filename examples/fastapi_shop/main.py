@@ -100,19 +100,21 @@ class OrderIn(BaseModel):
 @api.post("/orders", status_code=201)
 async def place_order(order: OrderIn, s: Annotated[AsyncSession, Depends(session)]
                       ) -> dict[str, Any]:
-    async with s.begin():  # one transaction: the order, its job and the stock
+    async with s.begin():  # one transaction: the stock, the order and its job
+        # The stock first: an item with no stock row is refused here (409),
+        # before the order's foreign key to it would fail the insert (500).
+        taken = await s.execute(update(Stock).where(Stock.item == order.item,
+                                                    Stock.available >= order.quantity)
+                                .values(available=Stock.available - order.quantity))
+        if taken.rowcount != 1:  # type: ignore[attr-defined]
+            # Raising rolls the whole transaction back: no stock taken.
+            raise HTTPException(409, f"not enough {order.item!r} in stock")
         row = Order(item=order.item, quantity=order.quantity)
         s.add(row)
         await s.flush()
         job_id = await jobs.schedule(s, "send-confirmation", {"order_id": row.id},
                                      delay=timedelta(seconds=order.confirm_after),
                                      key=f"confirm-order:{row.id}")
-        taken = await s.execute(update(Stock).where(Stock.item == order.item,
-                                                    Stock.available >= order.quantity)
-                                .values(available=Stock.available - order.quantity))
-        if taken.rowcount != 1:  # type: ignore[attr-defined]
-            # Raising rolls the whole transaction back: no order, no job.
-            raise HTTPException(409, f"not enough {order.item!r} in stock")
     return {"order_id": row.id, "job_id": str(job_id)}
 
 

@@ -72,6 +72,14 @@ def create_app() -> Flask:
     def place_order() -> tuple[dict[str, Any], int]:
         body = request.get_json()
         order = Order(item=body["item"], quantity=int(body["quantity"]))
+        # The stock first: an item with no stock row is refused here (409),
+        # before the order's foreign key to it would fail the insert (500).
+        taken = db.session.execute(update(Stock).where(Stock.item == order.item,
+                                                       Stock.available >= order.quantity)
+                                   .values(available=Stock.available - order.quantity))
+        if taken.rowcount != 1:  # type: ignore[attr-defined]
+            db.session.rollback()  # no stock taken, no order, no job
+            abort(409, f"not enough {order.item!r} in stock")
         db.session.add(order)
         db.session.flush()
         # db.session is a registry (scoped_session); db.session() is this
@@ -79,12 +87,6 @@ def create_app() -> Flask:
         job_id = jobs.schedule(db.session(), "send-confirmation", {"order_id": order.id},
                                delay=timedelta(seconds=float(body.get("confirm_after", 0))),
                                key=f"confirm-order:{order.id}")
-        taken = db.session.execute(update(Stock).where(Stock.item == order.item,
-                                                       Stock.available >= order.quantity)
-                                   .values(available=Stock.available - order.quantity))
-        if taken.rowcount != 1:  # type: ignore[attr-defined]
-            db.session.rollback()  # no order, no job
-            abort(409, f"not enough {order.item!r} in stock")
         db.session.commit()  # the order, its job and the stock, together
         return {"order_id": order.id, "job_id": str(job_id)}, 201
 

@@ -17,6 +17,8 @@ TREE = {
     "AmbiguousJobError": "ValidationError", "MessageDecodeError": "ValidationError",
     "DatabaseError": "DueboxError", "PermissionDeniedError": "DatabaseError",
     "TablesMissingError": "DatabaseError", "BrokerError": "DueboxError",
+    "BrokerUnreachableError": "BrokerError", "BrokerRefusedError": "BrokerUnreachableError",
+    "AccessRefusedError": "ConfigurationError",
     "JobStateError": "DueboxError", "JobNotFoundError": "JobStateError",
     "LeaseLostError": "JobStateError", "NotDueError": "JobStateError",
 }
