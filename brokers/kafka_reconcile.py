@@ -6,6 +6,13 @@ noticed: :meth:`LossWatch.data_lost` watches for a partition whose end
 offset went below what this relay produced to it, and
 :meth:`LossWatch.missing` names the ``ENQUEUED`` jobs published before the
 oldest message the topic still holds.
+
+An end offset below what was written is confirmed by fetching the last
+record written (:meth:`LossWatch.holds`) before it counts as a loss: a
+Kafka's end offset is never below a record it serves, but tansu's memory
+engine answers ListOffsets(latest) with the base offset of its newest
+record batch plus one, below the rest of that batch.  Taken as a loss, each
+multi-record batch made the relay republish and the worker rejoin its group.
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duebox.brokers.kafka")
 
+# How long a fetch of a record that should be there may take before the
+# partition counts as cut short (a truncated one answers OffsetOutOfRange,
+# and the probe then waits at the new end).
+_HOLDS_WAIT = 2.0
+
 
 class LossWatch:
     """``probe``: the broker's group-less consumer, started on first use."""
@@ -45,6 +57,8 @@ class LossWatch:
         self._first_check = True
         self._last_check = time.monotonic()
         self._oldest: dict[str, tuple[float, float]] = {}  # topic -> (checked at, oldest ts)
+        # The probe is assigned and seeked by one look at a time.
+        self._probing = asyncio.Lock()
 
     async def data_lost(self) -> bool:
         """True once on first use (a relay that starts after an outage
@@ -67,13 +81,35 @@ class LossWatch:
                 self.produced.clear()
                 return True
             return False
-        lost = [tp for tp, end in ends.items() if end < self.produced.get(tp, 0)]
+        lost = [tp for tp, end in ends.items() if end < self.produced.get(tp, 0)
+                and not await self.holds(tp, self.produced[tp] - 1)]
         if lost:
             log.warning("%s: partitions %s hold fewer messages than were produced to them; "
                         "republishing what they lost", self.where, lost)
             self.produced.clear()
             self._oldest.clear()
         return bool(lost)
+
+    async def holds(self, tp: Any, offset: int) -> bool:
+        """Whether partition ``tp`` still reaches ``offset``: a record at it
+        (or, compacted, after it) can be fetched.  Asked only where the end
+        offset said no; a broker that cannot be asked counts as no."""
+        async with self._probing:
+            try:
+                probe = await self._probe()
+                probe.assign([tp])
+                probe.seek(tp, offset)
+                deadline = time.monotonic() + _HOLDS_WAIT
+                try:
+                    while time.monotonic() < deadline:
+                        got = await probe.getmany(tp, timeout_ms=200, max_records=1)
+                        if got.get(tp):
+                            return bool(got[tp][0].offset >= offset)
+                finally:
+                    probe.assign([])
+            except (KafkaError, BrokerError, OSError) as exc:
+                log.debug("%s: could not fetch %s at %d (%s)", self.where, tp, offset, exc)
+        return False
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         """Jobs published before the oldest message their topic still holds
@@ -94,6 +130,12 @@ class LossWatch:
         cached = self._oldest.get(topic)
         if cached is not None and time.monotonic() - cached[0] < 1.0:
             return cached[1]
+        async with self._probing:
+            oldest = await self._read_oldest(topic)
+        self._oldest[topic] = (time.monotonic(), oldest)
+        return oldest
+
+    async def _read_oldest(self, topic: str) -> float:
         try:
             probe = await self._probe()
             parts = await asyncio.wait_for(self._partitions(probe, topic),
@@ -120,7 +162,6 @@ class LossWatch:
                     probe.assign([])
         except (KafkaError, OSError, TimeoutError) as exc:
             raise BrokerError(f"{self.where}: reading topic {topic!r} failed: {exc}") from exc
-        self._oldest[topic] = (time.monotonic(), oldest)
         return oldest
 
     @staticmethod
