@@ -464,7 +464,7 @@ class KafkaBroker(PublishingBroker):
 
     async def _start_consumer(self, topics: list[str]) -> tuple[Any, OffsetTracker]:
         await self._finish_draining()
-        tracker = OffsetTracker(self._freed, self._partitions_assigned, self.losses.holds)
+        tracker = OffsetTracker(self._freed, self._partitions_assigned, self.losses.reaching)
         c = AIOKafkaConsumer(**self.settings.client_options(self.client_id),
                              group_id=self.settings.group, enable_auto_commit=False,
                              auto_offset_reset="earliest",

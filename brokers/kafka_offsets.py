@@ -8,7 +8,7 @@ of them (or the next offset after the last one received), across
 rebalances.  A position beyond a partition's end means it was truncated
 under the consumer (the topic deleted, the cluster replaced): nothing is
 committed and the consumer starts over.  The end offset is confirmed by a
-fetch first (``holds``, brokers/kafka_reconcile.py): tansu's lags the log.
+fetch first (``reaching``, brokers/kafka_reconcile.py): tansu's lags the log.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,12 +56,13 @@ class OffsetTracker(ConsumerRebalanceListener):  # type: ignore[misc]
 
     def __init__(self, freed: asyncio.Event,
                  on_assigned: Callable[[], None] | None = None,
-                 holds: Callable[[Any, int], Awaitable[bool]] | None = None) -> None:
+                 reaching: Callable[[Mapping[Any, int]], Awaitable[set[Any]]] | None = None
+                 ) -> None:
         self.freed = freed  # set when revoked partitions free prefetch slots
         self.on_assigned = on_assigned
-        # Whether a partition still reaches an offset, fetched: asked before
-        # an end offset below a position counts as truncation.
-        self.holds = holds
+        # Which partitions still reach an offset, fetched: asked before an
+        # end offset below a position counts as truncation.
+        self.reaching = reaching
         self.parts: dict[Any, Partition] = {}
         self.generations = itertools.count(1)
         self.dirty = asyncio.Event()
@@ -111,11 +112,10 @@ class OffsetTracker(ConsumerRebalanceListener):  # type: ignore[misc]
                 # rebalance's revoke callback beside it and used to raise
                 # AttributeError on the cleared consumer.
                 return
-            for tp, (_, pos) in todo.items():
-                if ends.get(tp, 0) < pos and (self.holds is None
-                                              or not await self.holds(tp, pos - 1)):
-                    self.truncated = True
-                    return
+            short = {tp: pos - 1 for tp, (_, pos) in todo.items() if ends.get(tp, 0) < pos}
+            if short and (self.reaching is None or await self.reaching(short) != set(short)):
+                self.truncated = True
+                return
             if self.consumer is not consumer:
                 return
             await consumer.commit({tp: OffsetAndMetadata(pos, "")

@@ -8,7 +8,7 @@ offset went below what this relay produced to it, and
 oldest message the topic still holds.
 
 An end offset below what was written is confirmed by fetching the last
-record written (:meth:`LossWatch.holds`) before it counts as a loss: a
+record written (:meth:`LossWatch.reaching`) before it counts as a loss: a
 Kafka's end offset is never below a record it serves, but tansu's memory
 engine answers ListOffsets(latest) with the base offset of its newest
 record batch plus one, below the rest of that batch.  Taken as a loss, each
@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from duebox.errors import BrokerError, MissingDependencyError
@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duebox.brokers.kafka")
 
-# How long a fetch of a record that should be there may take before the
-# partition counts as cut short (a truncated one answers OffsetOutOfRange,
-# and the probe then waits at the new end).
-_HOLDS_WAIT = 2.0
+# How long fetching records that should be there may take before their
+# partitions count as cut short: a wiped topic is noticed up to this much
+# later than before the fetch was asked (one look for all its partitions).
+_HOLDS_WAIT = 1.0
 
 
 class LossWatch:
@@ -81,8 +81,10 @@ class LossWatch:
                 self.produced.clear()
                 return True
             return False
-        lost = [tp for tp, end in ends.items() if end < self.produced.get(tp, 0)
-                and not await self.holds(tp, self.produced[tp] - 1)]
+        short = {tp: self.produced[tp] - 1 for tp, end in ends.items()
+                 if end < self.produced.get(tp, 0)}
+        reached = await self.reaching(short)
+        lost = [tp for tp in short if tp not in reached]
         if lost:
             log.warning("%s: partitions %s hold fewer messages than were produced to them; "
                         "republishing what they lost", self.where, lost)
@@ -90,26 +92,33 @@ class LossWatch:
             self._oldest.clear()
         return bool(lost)
 
-    async def holds(self, tp: Any, offset: int) -> bool:
-        """Whether partition ``tp`` still reaches ``offset``: a record at it
-        (or, compacted, after it) can be fetched.  Asked only where the end
-        offset said no; a broker that cannot be asked counts as no."""
+    async def reaching(self, wanted: Mapping[Any, int]) -> set[Any]:
+        """The partitions of ``wanted`` (partition -> offset) that still
+        reach their offset: a record at it (or, compacted, after it) can be
+        fetched.  Asked only where the end offset said no, all at once; a
+        broker that cannot be asked counts as no."""
+        reached: set[Any] = set()
+        if not wanted:
+            return reached
         async with self._probing:
             try:
                 probe = await self._probe()
-                probe.assign([tp])
-                probe.seek(tp, offset)
+                probe.assign(list(wanted))
+                for tp, offset in wanted.items():
+                    probe.seek(tp, offset)
                 deadline = time.monotonic() + _HOLDS_WAIT
                 try:
-                    while time.monotonic() < deadline:
-                        got = await probe.getmany(tp, timeout_ms=200, max_records=1)
-                        if got.get(tp):
-                            return bool(got[tp][0].offset >= offset)
+                    while time.monotonic() < deadline and len(reached) < len(wanted):
+                        got = await probe.getmany(timeout_ms=200)
+                        for tp, msgs in got.items():
+                            if msgs and msgs[0].offset >= wanted[tp]:
+                                reached.add(tp)
+                                probe.pause(tp)
                 finally:
                     probe.assign([])
             except (KafkaError, BrokerError, OSError) as exc:
-                log.debug("%s: could not fetch %s at %d (%s)", self.where, tp, offset, exc)
-        return False
+                log.debug("%s: could not fetch %s (%s)", self.where, dict(wanted), exc)
+        return reached
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         """Jobs published before the oldest message their topic still holds

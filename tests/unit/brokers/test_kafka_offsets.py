@@ -10,6 +10,7 @@ tests/test_kafka_tansu.py's on a broker whose end offset lags.)"""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 from hypothesis import given, settings
@@ -106,18 +107,18 @@ def finished_up_to(t: OffsetTracker, upto: int) -> None:
 
 
 async def test_an_end_offset_below_the_position_is_confirmed_by_a_fetch() -> None:
-    asked: list[tuple[object, int]] = []
+    asked: list[dict[Any, int]] = []
     reaches = True
 
-    async def holds(tp: object, offset: int) -> bool:
-        asked.append((tp, offset))
-        return reaches
+    async def reaching(wanted: Mapping[Any, int]) -> set[Any]:
+        asked.append(dict(wanted))
+        return set(wanted) if reaches else set()
 
-    t = OffsetTracker(asyncio.Event(), holds=holds)
+    t = OffsetTracker(asyncio.Event(), reaching=reaching)
     t.consumer = consumer = Consumer(end=1)  # tansu: the newest batch's base + 1
     finished_up_to(t, 5)
     await t.commit()
-    assert asked == [(TP, 4)]  # the last record read
+    assert asked == [{TP: 4}]  # the last record read
     assert consumer.commits == [{TP: 5}]
     assert not t.truncated
     reaches = False  # gone: the topic was deleted, the cluster replaced
@@ -128,10 +129,10 @@ async def test_an_end_offset_below_the_position_is_confirmed_by_a_fetch() -> Non
 
 
 async def test_an_end_offset_at_the_position_asks_nothing() -> None:
-    async def holds(tp: object, offset: int) -> bool:
+    async def reaching(wanted: Mapping[Any, int]) -> set[Any]:
         raise AssertionError("a Kafka's end offset is trusted as it is")
 
-    t = OffsetTracker(asyncio.Event(), holds=holds)
+    t = OffsetTracker(asyncio.Event(), reaching=reaching)
     t.consumer = consumer = Consumer(end=5)
     finished_up_to(t, 5)
     await t.commit()
