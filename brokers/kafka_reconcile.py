@@ -107,12 +107,17 @@ class LossWatch:
                 for tp, offset in wanted.items():
                     probe.seek(tp, offset)
                 deadline = time.monotonic() + _HOLDS_WAIT
+                open_ = set(wanted)
                 try:
-                    while time.monotonic() < deadline and len(reached) < len(wanted):
-                        got = await probe.getmany(timeout_ms=200)
+                    while open_ and time.monotonic() < deadline:
+                        got = await probe.getmany(*open_, timeout_ms=200)
                         for tp, msgs in got.items():
                             if msgs and msgs[0].offset >= wanted[tp]:
                                 reached.add(tp)
+                        for tp in list(open_):
+                            # Out of range: the probe moved it to its end.
+                            if tp in reached or await probe.position(tp) != wanted[tp]:
+                                open_.discard(tp)
                                 probe.pause(tp)
                 finally:
                     probe.assign([])
