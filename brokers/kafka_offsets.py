@@ -7,7 +7,8 @@ tracker keeps the received offsets not yet finished and commits the lowest
 of them (or the next offset after the last one received), across
 rebalances.  A position beyond a partition's end means it was truncated
 under the consumer (the topic deleted, the cluster replaced): nothing is
-committed and the consumer starts over.
+committed and the consumer starts over.  The end offset is confirmed by a
+fetch first (``reaching``, brokers/kafka_reconcile.py): tansu's lags the log.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,9 +55,14 @@ class OffsetTracker(ConsumerRebalanceListener):  # type: ignore[misc]
     """Which offsets may be committed, per partition, across rebalances."""
 
     def __init__(self, freed: asyncio.Event,
-                 on_assigned: Callable[[], None] | None = None) -> None:
+                 on_assigned: Callable[[], None] | None = None,
+                 reaching: Callable[[Mapping[Any, int]], Awaitable[set[Any]]] | None = None
+                 ) -> None:
         self.freed = freed  # set when revoked partitions free prefetch slots
         self.on_assigned = on_assigned
+        # Which partitions still reach an offset, fetched: asked before an
+        # end offset below a position counts as truncation.
+        self.reaching = reaching
         self.parts: dict[Any, Partition] = {}
         self.generations = itertools.count(1)
         self.dirty = asyncio.Event()
@@ -106,8 +112,11 @@ class OffsetTracker(ConsumerRebalanceListener):  # type: ignore[misc]
                 # rebalance's revoke callback beside it and used to raise
                 # AttributeError on the cleared consumer.
                 return
-            if any(ends.get(tp, 0) < pos for tp, (_, pos) in todo.items()):
+            short = {tp: pos - 1 for tp, (_, pos) in todo.items() if ends.get(tp, 0) < pos}
+            if short and (self.reaching is None or await self.reaching(short) != set(short)):
                 self.truncated = True
+                return
+            if self.consumer is not consumer:
                 return
             await consumer.commit({tp: OffsetAndMetadata(pos, "")
                                    for tp, (_, pos) in todo.items()})

@@ -6,6 +6,13 @@ noticed: :meth:`LossWatch.data_lost` watches for a partition whose end
 offset went below what this relay produced to it, and
 :meth:`LossWatch.missing` names the ``ENQUEUED`` jobs published before the
 oldest message the topic still holds.
+
+An end offset below what was written is confirmed by fetching the last
+record written (:meth:`LossWatch.reaching`) before it counts as a loss: a
+Kafka's end offset is never below a record it serves, but tansu's memory
+engine answers ListOffsets(latest) with the base offset of its newest
+record batch plus one, below the rest of that batch.  Taken as a loss, each
+multi-record batch made the relay republish and the worker rejoin its group.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from duebox.errors import BrokerError, MissingDependencyError
@@ -32,6 +39,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duebox.brokers.kafka")
 
+# How long fetching records that should be there may take before their
+# partitions count as cut short: a wiped topic is noticed up to this much
+# later than before the fetch was asked (one look for all its partitions).
+_HOLDS_WAIT = 1.0
+
 
 class LossWatch:
     """``probe``: the broker's group-less consumer, started on first use."""
@@ -45,6 +57,8 @@ class LossWatch:
         self._first_check = True
         self._last_check = time.monotonic()
         self._oldest: dict[str, tuple[float, float]] = {}  # topic -> (checked at, oldest ts)
+        # The probe is assigned and seeked by one look at a time.
+        self._probing = asyncio.Lock()
 
     async def data_lost(self) -> bool:
         """True once on first use (a relay that starts after an outage
@@ -67,13 +81,49 @@ class LossWatch:
                 self.produced.clear()
                 return True
             return False
-        lost = [tp for tp, end in ends.items() if end < self.produced.get(tp, 0)]
+        short = {tp: self.produced[tp] - 1 for tp, end in ends.items()
+                 if end < self.produced.get(tp, 0)}
+        reached = await self.reaching(short)
+        lost = [tp for tp in short if tp not in reached]
         if lost:
             log.warning("%s: partitions %s hold fewer messages than were produced to them; "
                         "republishing what they lost", self.where, lost)
             self.produced.clear()
             self._oldest.clear()
         return bool(lost)
+
+    async def reaching(self, wanted: Mapping[Any, int]) -> set[Any]:
+        """The partitions of ``wanted`` (partition -> offset) that still
+        reach their offset: a record at it (or, compacted, after it) can be
+        fetched.  Asked only where the end offset said no, all at once; a
+        broker that cannot be asked counts as no."""
+        reached: set[Any] = set()
+        if not wanted:
+            return reached
+        async with self._probing:
+            try:
+                probe = await self._probe()
+                probe.assign(list(wanted))
+                for tp, offset in wanted.items():
+                    probe.seek(tp, offset)
+                deadline = time.monotonic() + _HOLDS_WAIT
+                open_ = set(wanted)
+                try:
+                    while open_ and time.monotonic() < deadline:
+                        got = await probe.getmany(*open_, timeout_ms=200)
+                        for tp, msgs in got.items():
+                            if msgs and msgs[0].offset >= wanted[tp]:
+                                reached.add(tp)
+                        for tp in list(open_):
+                            # Out of range: the probe moved it to its end.
+                            if tp in reached or await probe.position(tp) != wanted[tp]:
+                                open_.discard(tp)
+                                probe.pause(tp)
+                finally:
+                    probe.assign([])
+            except (KafkaError, BrokerError, OSError) as exc:
+                log.debug("%s: could not fetch %s (%s)", self.where, dict(wanted), exc)
+        return reached
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         """Jobs published before the oldest message their topic still holds
@@ -94,6 +144,12 @@ class LossWatch:
         cached = self._oldest.get(topic)
         if cached is not None and time.monotonic() - cached[0] < 1.0:
             return cached[1]
+        async with self._probing:
+            oldest = await self._read_oldest(topic)
+        self._oldest[topic] = (time.monotonic(), oldest)
+        return oldest
+
+    async def _read_oldest(self, topic: str) -> float:
         try:
             probe = await self._probe()
             parts = await asyncio.wait_for(self._partitions(probe, topic),
@@ -120,7 +176,6 @@ class LossWatch:
                     probe.assign([])
         except (KafkaError, OSError, TimeoutError) as exc:
             raise BrokerError(f"{self.where}: reading topic {topic!r} failed: {exc}") from exc
-        self._oldest[topic] = (time.monotonic(), oldest)
         return oldest
 
     @staticmethod

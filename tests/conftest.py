@@ -36,6 +36,7 @@ import pytest
 from backends import (
     AMQP,
     KAFKA,
+    KAFKA_SERVER,
     OWN_KAFKA,
     OWN_SQS,
     REDIS,
@@ -43,8 +44,8 @@ from backends import (
     Keys,
     cluster_keys,
     free_port,
-    kafka_mock,
     kafka_reachable,
+    kafka_server,
     localstack,
     redis_cluster,
     scratch_vhost,
@@ -308,7 +309,8 @@ def sqs_endpoint() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
     """A Kafka-protocol broker: DUEBOX_TEST_KAFKA's, else librdkafka's mock
-    cluster, started (and stopped) here on a port of this session's own."""
+    cluster (tansu with DUEBOX_TEST_KAFKA_SERVER=tansu), started (and
+    stopped) here on a port of this session's own."""
     if not OWN_KAFKA:
         if not kafka_reachable(KAFKA):
             service_missing("Kafka", RuntimeError(f"nothing listens at {KAFKA}"))
@@ -316,14 +318,14 @@ def kafka_bootstrap() -> Iterator[str]:
         return
     port = int(KAFKA.rsplit(":", 1)[1])
     try:
-        mock = kafka_mock()
-        address = mock.start_background(port)
+        server = kafka_server()
+        address = server.start_background(port)
     except (OSError, RuntimeError, ImportError) as exc:
-        service_missing("the Kafka mock cluster (pip install confluent-kafka)", exc)
+        service_missing(f"the session's Kafka ({KAFKA_SERVER}; pip install -e '.[dev]')", exc)
     try:
         yield address
     finally:
-        mock.stop_background(mock.pidfile_for(port))
+        server.stop_background(server.pidfile_for(port))
 
 
 @pytest.fixture

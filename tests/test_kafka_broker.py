@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from backends import KafkaNames, free_port, kafka_mock
+from backends import KafkaNames, free_port, kafka_mock, kafka_server
 from conftest import reset_tables, service_missing
 from helpers import (
     Running,
@@ -305,12 +305,12 @@ def restart_broker(bootstrap: str) -> None:
             service_missing("a Kafka this test can restart (DUEBOX_TEST_KAFKA_RESTART)",
                             RuntimeError((proc.stdout + proc.stderr).decode()[-2000:]))
         return
-    mock = kafka_mock()
+    server = kafka_server()
     port = int(bootstrap.rsplit(":", 1)[1])
-    if not mock.stop_background(mock.pidfile_for(port), signal.SIGKILL):
-        service_missing("a Kafka this test can restart (the mock's pid file, or "
-                        "DUEBOX_TEST_KAFKA_RESTART)", RuntimeError(str(mock.pidfile_for(port))))
-    mock.start_background(port)
+    if not server.stop_background(server.pidfile_for(port), signal.SIGKILL):
+        service_missing("a Kafka this test can restart (the mock's or tansu's pid file, or "
+                        "DUEBOX_TEST_KAFKA_RESTART)", RuntimeError(str(server.pidfile_for(port))))
+    server.start_background(port)
 
 
 @pytest.mark.slow

