@@ -10,8 +10,8 @@ rolled back, so the statement itself then runs on the same rows):
 
 * the usual start (``jobstore.start_many``) of ``--batch`` messages, and
   the reason one of them did not start (``jobstore.why_not_started``);
-* the batch lane's lock (``unstarted.lock_startable``), its completion
-  (``unstarted.finish``) and a failed handler's start (``unstarted.start_one``);
+* the batch lane's lock (``batch_sql.lock_startable``), its completion
+  (``batch_sql.finish``) and a failed handler's start (``batch_sql.start_one``);
 * your own consumer's completion (``own_queues.complete_steps``), a due
   message and an early one.
 
@@ -34,7 +34,7 @@ from run import DEFAULT_PG, pg_database
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox import jobstore, migrate, own_queues, unstarted
+from duebox import batch_sql, jobstore, migrate, own_queues
 from duebox.message import JobMessage, MessageRef
 from duebox.producer import drive_sync
 from duebox.tables import job
@@ -153,13 +153,13 @@ def explain_paths(app: duebox.Duebox, explain: Explainer, batch: int) -> None:
             jobstore.why_not_started(conn, ahead[0], NOW)
         conn.rollback()
     with app.engine.begin() as conn:
-        with explain.on("the lane's lock: unstarted.lock_startable"):
-            locked = unstarted.lock_startable(conn, second, NOW, "w#2")
+        with explain.on("the lane's lock: batch_sql.lock_startable"):
+            locked = batch_sql.lock_startable(conn, second, NOW, "w#2")
         recs = [locked[m.job_id] for m in second if m.job_id in locked]
-        with explain.on("the lane's completion: unstarted.finish"):
-            unstarted.finish(conn, [(r, NOW, "succeeded") for r in recs[1:]], NOW, "w")
-        with explain.on("a failed handler's start: unstarted.start_one"):
-            unstarted.start_one(conn, recs[0], NOW, NOW, 30, "w")
+        with explain.on("the lane's completion: batch_sql.finish"):
+            batch_sql.finish(conn, [(r, NOW, "succeeded") for r in recs[1:]], NOW, "w")
+        with explain.on("a failed handler's start: batch_sql.start_one"):
+            batch_sql.start_one(conn, recs[0], NOW, NOW, 30, "w")
         conn.rollback()
     for label, msg in (("own consumer's completion, due", first[0]),
                        ("own consumer's completion, early", ahead[0])):

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from duebox.errors import BrokerError, DueboxError, MessageDecodeError, ValidationError
 from duebox.logs import CollapsedLog
 from duebox.message import JobMessage
-from duebox.waiting import wait_any
+from duebox.wait_any import wait_any
 
 from . import amqp_pack
 from .amqp_link import (

@@ -276,7 +276,7 @@ class Broker(abc.ABC):
 class LaneClaims(abc.ABC):
     """A backend whose workers claim rows from the job table lets the
     worker's batch lane claim the *due* ones itself, in the transaction that
-    runs them (core/unstarted.py, ``lock_due``): no claim is written for a
+    runs them (core/batch_sql.py, ``lock_due``): no claim is written for a
     job the lane runs.  While the lane :meth:`leads`, the backend's own
     claimer takes only jobs not yet due (the hand-over ahead of the due time)
     and :attr:`wake` tells the lane when due rows wait; jobs the lane locked

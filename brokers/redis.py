@@ -52,7 +52,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from duebox.batched import Batched
+from duebox.batched_calls import Batched
 from duebox.errors import (
     BrokerError,
     ConfigurationError,
@@ -60,7 +60,7 @@ from duebox.errors import (
     ValidationError,
 )
 from duebox.logs import CollapsedLog
-from duebox.waiting import wait_any
+from duebox.wait_any import wait_any
 
 from . import redis_scripts as scripts
 from .base import (

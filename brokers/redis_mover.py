@@ -21,7 +21,7 @@ from duebox.clock import Clock
 from duebox.errors import MissingDependencyError
 from duebox.logs import CollapsedLog
 from duebox.timing import HANDOVER_GATHER, HANDOVER_LEAD_SECONDS
-from duebox.waiting import wait_any
+from duebox.wait_any import wait_any
 
 from .redis_settings import Keys
 

@@ -17,7 +17,7 @@ claims only due jobs.
 
 A worker's batch lane (consumers/runner.py) may claim the due jobs itself, in
 the transaction that runs them, with no claim written (:meth:`lane_claims`,
-core/unstarted.py ``lock_due``): while it leads, this claimer takes only
+core/batch_sql.py ``lock_due``): while it leads, this claimer takes only
 jobs due later (the hand-over above) and wakes the lane when due rows wait.
 Not with a dispatch policy, whose fair claim decides the order.
 """
@@ -38,7 +38,7 @@ from duebox.errors import ConfigurationError, DatabaseError
 from duebox.fair_claim import DispatchPolicy, FairPicker
 from duebox.holding import Hold
 from duebox.timing import HANDOVER_GATHER, SQL_HANDOVER_LEAD
-from duebox.waiting import wait_any
+from duebox.wait_any import wait_any
 
 from ._common import number
 from .base import (

@@ -11,7 +11,7 @@ from duebox import dlq
 from duebox.ids import parse_job_id
 from duebox.inspect import payloads
 from duebox.masking import masked, shown_as_is
-from duebox.values import check_operator, shown
+from duebox.validation import check_operator, shown
 
 from .loading import load_app
 from .options import TEXT, FiniteRange, app_options, operator_options, unregistered_payloads_option

@@ -12,7 +12,7 @@ from duebox import Duebox
 from duebox.inspect import JobDetail, JobView, find_job, load_job, locator, where_now
 from duebox.masking import Masked, masked
 from duebox.results import loaded
-from duebox.values import shown
+from duebox.validation import shown
 
 
 def _fmt(ts: datetime | None) -> str:

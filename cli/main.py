@@ -21,7 +21,7 @@ from duebox.credentials import redacted
 from duebox.ids import parse_job_id
 from duebox.inspect_status import DUE_WITHIN
 from duebox.states import JobState
-from duebox.values import MAX_SPAN
+from duebox.validation import MAX_SPAN
 
 from .dashboard_cmd import dashboard
 from .dlq_cmd import dlq_group

@@ -22,7 +22,7 @@ from sqlalchemy import exc as sa_exc
 
 from duebox import AccessRefusedError, DueboxError
 from duebox.db import db_errors
-from duebox.values import shown, text_problem
+from duebox.validation import shown, text_problem
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from duebox.values import shown
+from duebox.validation import shown
 
 from .metrics_dir import MetricsDir
 from .running import serve_metrics

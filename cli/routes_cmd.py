@@ -9,7 +9,7 @@ import json
 import click
 
 from duebox import reroute
-from duebox.values import shown
+from duebox.validation import shown
 
 from .loading import load_app
 from .options import app_options

@@ -23,7 +23,7 @@ from duebox.schedules import (
     PutResult,
     ScheduleInfo,
 )
-from duebox.values import shown
+from duebox.validation import shown
 
 from .loading import load_app
 from .options import TEXT, app_options, operator_options

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from duebox.inspect_status import GroupView, StatusReport
-from duebox.values import shown
+from duebox.validation import shown
 
 
 def _ms(v: float | None) -> str:

@@ -11,7 +11,7 @@ batch runs up to ``group_commit`` jobs in one transaction:
      lease (owner, generation, version) is checked under the lock;
    - ``UNSTARTED``: deliveries whose jobs were never started: their rows
      locked by ``(id, version)``, startable, due, not expired, ``SKIP
-     LOCKED`` (core/unstarted.py) — no start transaction before;
+     LOCKED`` (core/batch_sql.py) — no start transaction before;
    - ``DUE`` (``sql://``): the due rows themselves, locked as a claim scans
      them; those the batch may not run are leased in it, for the usual path.
 
@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
 
-from duebox import claims, jobstore, unstarted
+from duebox import batch_sql, claims, jobstore
 from duebox.brokers.base import Delivery
 from duebox.clock import Clock, wait_until
 from duebox.db import bound_idle_transaction, db_errors
@@ -321,7 +321,7 @@ class Batch:
             self.items = held
         elif self.kind is Kind.UNSTARTED:
             messages = [i.message for i in self.items if i.message is not None]
-            locked = unstarted.lock_startable(conn, messages, now, self.owner,
+            locked = batch_sql.lock_startable(conn, messages, now, self.owner,
                                               due_by=max(m.due_at for m in messages))
             kept = []
             for item in self.items:
@@ -338,7 +338,7 @@ class Batch:
                     result.skipped.append(item)
             self.items = kept
         else:
-            rows = unstarted.lock_due(conn, now=now, limit=self.limit, queues=self.queues,
+            rows = batch_sql.lock_due(conn, now=now, limit=self.limit, queues=self.queues,
                                       owner=self.owner)
             result.locked = len(rows)
             policy, others = self.shared.policy, []
@@ -432,7 +432,7 @@ class Batch:
             raise BatchLost(error)
         verdict = item.task.classifier.classify(error)
         if item.kind is not Kind.LEASED:  # recorded as every failure is: on a started job
-            item.rec = control.rec = unstarted.start_one(
+            item.rec = control.rec = batch_sql.start_one(
                 conn, item.rec, item.started or clock.now(), clock.now(),
                 app.settings.lease_seconds, self.shared.worker)
         if control.saved is not _UNSET:
@@ -457,7 +457,7 @@ class Batch:
             jobstore.complete_locked(conn, [rec for _, rec in succeeded], "succeeded", now)
             jobstore.complete_locked(conn, duplicates, "duplicate", now)
         else:
-            unstarted.finish(conn, [(rec, i.started or now, "succeeded") for i, rec in succeeded]
+            batch_sql.finish(conn, [(rec, i.started or now, "succeeded") for i, rec in succeeded]
                              + [(rec, now, "duplicate") for rec in duplicates],
                              now, self.shared.worker)
         self._done += [(i, Outcome(RunStatus.SUCCEEDED)) for i in self._succeeded]
@@ -496,7 +496,7 @@ class Batch:
                     jobstore.renew_leases(conn, [rec], now=now,
                                           until=now + timedelta(seconds=lease))
                 else:
-                    rec = unstarted.start_one(conn, rec, item.started or now, now, lease,
+                    rec = batch_sql.start_one(conn, rec, item.started or now, now, lease,
                                               self.shared.worker)
                 position = self.items.index(item)
                 later = self.items[position + 1:]

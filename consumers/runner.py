@@ -55,7 +55,7 @@ from duebox.message import ORDERING_KEY_HEADER, stored_payload_ok
 from duebox.tasks import Task
 from duebox.timing import HANDOVER_GATHER, LANE_HOLD_MOST, LANE_LOCK_LEAD
 from duebox.trouble import log_trouble
-from duebox.waiting import wait_any
+from duebox.wait_any import wait_any
 
 from .batch import Batch, Batches, BatchOutcome, Item, Kind, Running
 from .dedupe import SQLDedupeStore

@@ -1,5 +1,5 @@
 """Version-checked starts of delivered messages, several per transaction
-when they queue up (duebox/batched.py).
+when they queue up (duebox/batched_calls.py).
 
 A message from a broker is only a hint: the job runs if its row still has
 the message's version and a startable state (invariant 4).  A batch of
@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from duebox import jobstore
-from duebox.batched import Batched
+from duebox.batched_calls import Batched
 from duebox.db import db_errors
 from duebox.message import JobMessage
 from duebox.states import Discard

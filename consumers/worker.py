@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
-from duebox import dispatched, jobstore, tracing
-from duebox.batched import Batched
+from duebox import dispatch_marks, jobstore, tracing
+from duebox.batched_calls import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
 from duebox.credentials import redacted
@@ -507,7 +507,7 @@ class Worker:
 
     def _expire(self, rec: jobstore.JobRecord) -> None:
         with self.app.engine.begin() as conn:
-            dispatched.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
+            dispatch_marks.expire(conn, owner=rec.lease_owner or "", ids=[rec.id],
                             now=self.app.clock.now())
 
     async def _execute(self, task: Task, rec: jobstore.JobRecord, leased: datetime | None,

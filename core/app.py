@@ -62,7 +62,7 @@ from .tasks import (
     validate_task_options,
 )
 from .tracing import stamp
-from .values import aware, check_json, check_operator, check_optional_str, encode_json
+from .validation import aware, check_json, check_operator, check_optional_str, encode_json
 
 if TYPE_CHECKING:
     from duebox.brokers.base import Broker
@@ -349,7 +349,7 @@ class Duebox:
         headers: dict[str, Any] | None = None,
     ) -> NewJob:
         """Validate one job's arguments; raises :class:`ValidationError` naming
-        the field, before anything is written (duebox.values has the rules).
+        the field, before anything is written (duebox.validation has the rules).
 
         ``at`` is an absolute instant (timezone-aware; compared in UTC).
         ``delay`` counts from the moment the job is written, on the app's

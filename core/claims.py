@@ -8,7 +8,7 @@ rows between them without waiting.  Every claim is built from those two:
 
 * :func:`claim_for_dispatch` — a relay's batch: ``SCHEDULED → DISPATCHING``;
   :func:`dispatch_claim` is the same claim as one statement, which
-  core/dispatched.py's ``mark_and_claim`` fuses with a mark on PostgreSQL;
+  core/dispatch_marks.py's ``mark_and_claim`` fuses with a mark on PostgreSQL;
 * :func:`claim_for_run` — a ``sql://`` worker's: ``SCHEDULED → RUNNING``;
 * :func:`class_candidates` then :func:`claim_selected` / ``claim_for_run(ids=)``
   — the fair claim (core/fair_claim.py) picks rows class by class, then
@@ -259,7 +259,7 @@ def claim_for_run(
     ``horizon`` (later than ``now``): also jobs due by then, which the caller
     holds until their due time; their ``started_at`` is that due time.
     ``after``: only jobs due later than it (the worker's batch lane claims
-    the others itself, core/unstarted.py).  ``ids``: exactly these rows,
+    the others itself, core/batch_sql.py).  ``ids``: exactly these rows,
     which this transaction already picked and locked (the fair claim,
     :func:`class_candidates`; the lane's rows it does not run), instead of
     the earliest due."""

@@ -13,7 +13,7 @@ from .dispatch_policy import DispatchPolicy
 from .errors import ConfigurationError
 from .routes import check_routes, parse_routes
 from .secret_keys import DEFAULT_MASK_KEYS, SecretKeys, parse_mask_keys
-from .values import MAX_SPAN
+from .validation import MAX_SPAN
 
 DEFAULT_DATABASE_URL = "sqlite:///duebox.db"
 DEFAULT_BROKER_URL = "sql://"
@@ -175,7 +175,7 @@ def _convert(name: str, type_name: object, raw: str) -> Any:
     return raw
 
 
-# Durations are added to instants: at most 100 years (duebox.values.MAX_SPAN),
+# Durations are added to instants: at most 100 years (duebox.validation.MAX_SPAN),
 # so no instant plus one overflows.
 _MOST = MAX_SPAN.total_seconds()
 

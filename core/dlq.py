@@ -27,7 +27,7 @@ from .failures import FailureClass, SystemFailure
 from .ids import uuid7
 from .states import JobState
 from .tables import attempt, audit, job
-from .values import check_operator
+from .validation import check_operator
 
 if TYPE_CHECKING:
     from .app import Duebox
@@ -90,7 +90,7 @@ def quarantine_if_repeated(
 
 
 # Replayed jobs are due 1/rate apart: slower than one per 1,000 s and a big
-# replay's last due time would leave the calendar (duebox.values.LATEST).
+# replay's last due time would leave the calendar (duebox.validation.LATEST).
 MIN_RATE = 0.001
 
 # "refused": a publish the broker refuses for good (relay/refusals.py).

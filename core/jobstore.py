@@ -7,7 +7,7 @@ Each write is ``UPDATE ... WHERE state = ? [AND version = ?] [AND lease_owner
 = ? AND lease_generation = ?]``: a write that lost a race matches no row,
 changes nothing and says so through its row count.  The other transitions
 live beside this one: the claim (core/claims.py), how a relay's claim ends
-(core/dispatched.py) and recovery of leases that ran out (core/recovery.py).
+(core/dispatch_marks.py) and recovery of leases that ran out (core/recovery.py).
 
 Lease owners are unique per claim (``process token`` + sequence), which makes
 the owner a fencing token on its own; ``lease_generation`` is bumped on every

@@ -33,7 +33,7 @@ from typing import Any
 from .errors import MessageDecodeError
 from .states import Discard
 from .tracing import TRACE_HEADERS
-from .values import text_problem
+from .validation import text_problem
 
 FORMAT = "duebox/1"
 

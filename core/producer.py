@@ -28,7 +28,7 @@ from .errors import JobNotFoundError, JobStateError, TablesMissingError, Validat
 from .ids import parse_job_id, uuid7, uuid7_many
 from .states import CANCELLABLE_STATES, RESCHEDULABLE_STATES, JobState
 from .tables import audit, job, shard_of
-from .values import LATEST, aware, check_json, encode_json, seconds_of
+from .validation import LATEST, aware, check_json, encode_json, seconds_of
 
 T = TypeVar("T")
 
@@ -175,7 +175,7 @@ def json_size(text: str) -> int:
 
 def check_payload(payload: object, limit: tuple[int, str], field: str = "payload") -> str:
     """The JSON text of ``payload`` once it is known to fit ``limit`` and to
-    come back equal (duebox.values); the caller stores that text."""
+    come back equal (duebox.validation); the caller stores that text."""
     text = encode_json(payload, field)
     check_size(json_size(text), *limit)
     check_json(payload, field)

@@ -4,7 +4,7 @@
 * **What is kept.**  The return value's JSON text, in ``duebox_result``
   (one row per job, written in the handler's transaction with its
   completion: a result exists exactly when the job SUCCEEDED).  It must be
-  JSON as a payload must (duebox.values: no tuples, no non-``str`` keys, no
+  JSON as a payload must (duebox.validation: no tuples, no non-``str`` keys, no
   NaN...; a bare number is fine, the text is kept as text) and encode to at
   most ``max_result_bytes`` (64 KiB by default).  A result that is not, is
   the attempt's failure: a :class:`ValidationError` naming ``result`` and
@@ -37,7 +37,7 @@ from sqlalchemy import Connection, Engine, Insert, Select, delete, insert, selec
 from .db import db_errors
 from .errors import ValidationError
 from .tables import result
-from .values import check_json, encode_json
+from .validation import check_json, encode_json
 
 # How often a relay deletes expired results, and how many per statement.
 PRUNE_EVERY = 60.0

@@ -17,7 +17,7 @@ from .errors import ValidationError
 from .ids import uuid7
 from .producer import Steps
 from .tables import audit, schedule
-from .values import check_operator, check_text
+from .validation import check_operator, check_text
 
 # Where a schedule came from (the ``origin`` column): made by hand with
 # app.schedules or the CLI, or declared next to its task and kept in step

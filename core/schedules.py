@@ -58,7 +58,7 @@ from .schedule_rows import (
 from .states import JobState
 from .tables import job, schedule
 from .targets import AsyncTarget, SyncTarget
-from .values import check_optional_str, seconds_of
+from .validation import check_optional_str, seconds_of
 
 if TYPE_CHECKING:
     from .clock import Clock

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from .errors import ConfigurationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, FailureClass, Verdict
 from .secret_keys import DEFAULT_MASK_KEYS, SecretKeys
-from .values import MAX_SPAN, text_problem
+from .validation import MAX_SPAN, text_problem
 
 Handler = Callable[[Any, "JobContext"], Any]
 
@@ -81,7 +81,7 @@ class RetryPolicy:
             floor = ceiling
         r: float = (rng or random).random()
         # A downstream's Retry-After is someone else's input: however large,
-        # the retry's due time must stay a date (duebox.values.MAX_SPAN).
+        # the retry's due time must stay a date (duebox.validation.MAX_SPAN).
         return min(max(self.minimum, floor) * (1.0 + 0.1 * r), MAX_SPAN.total_seconds())
 
 
@@ -138,7 +138,7 @@ def validate_task_options(name: object, queue: object, max_attempts: object) -> 
 def check_task_seconds(**durations: object) -> None:
     """Durations a task adds to instants (``timeout``, ``max_lateness``,
     ``lease_seconds``): None, or a number of seconds > 0 and at most
-    :data:`duebox.values.MAX_SPAN`, so no due time plus one overflows."""
+    :data:`duebox.validation.MAX_SPAN`, so no due time plus one overflows."""
     most = MAX_SPAN.total_seconds()
     for name, value in durations.items():
         if value is None:

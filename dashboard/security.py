@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 from duebox.errors import ValidationError
-from duebox.values import check_operator
+from duebox.validation import check_operator
 
 from .hosts import host_name
 from .throttle import Throttle

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from duebox import dispatched, jobstore, reroute, routes, tracing
+from duebox import dispatch_marks, jobstore, reroute, routes, tracing
 from duebox.brokers.base import Outgoing, PublishingBroker, open_broker
 from duebox.db import PgWaker, bound_idle_transaction, db_errors
 from duebox.dispatch_policy import DispatchPolicy
@@ -51,7 +51,7 @@ from duebox.errors import ConfigurationError, DatabaseError, DueboxError
 from duebox.logs import CollapsedLog, kind_of
 from duebox.metrics import Metrics
 from duebox.routes import Route
-from duebox.waiting import wait_any
+from duebox.wait_any import wait_any
 
 from .catchup import CatchUp
 from .held import HeldJobs
@@ -272,7 +272,7 @@ class Pipeline:
                     await sending
             if records:  # claimed, never published: back to SCHEDULED at once
                 with contextlib.suppress(DatabaseError):
-                    await asyncio.to_thread(self._db, dispatched.release, owner,
+                    await asyncio.to_thread(self._db, dispatch_marks.release, owner,
                                             [r.id for r in records])
             with contextlib.suppress(DatabaseError):
                 await self._flush_marks(stats)
@@ -317,7 +317,7 @@ class Pipeline:
         now = self.app.clock.now()
         fence = self.scale.fence(now)
         with db_errors("mark"), self.app.engine.begin() as conn:
-            return [dispatched.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence,
+            return [dispatch_marks.mark_enqueued(conn, owner=owner, ids=ids, now=now, fence=fence,
                                              delivered=self._delivered,
                                              published_to=self.published_to)
                     for owner, ids in marks]
@@ -337,7 +337,7 @@ class Pipeline:
         fair = self.scale.fair is not None and not catchup
         with db_errors("claim"), self._claim_connection(fair) as conn:
             if catchup:
-                return dispatched.mark_and_claim(
+                return dispatch_marks.mark_and_claim(
                     conn, marks=marks, owner=owner, horizon=w.backlog_until, limit=catchup,
                     now=now, lease_until=w.lease_until, priority_first=True, fence=w.fence,
                     delivered=self._delivered,
@@ -345,7 +345,7 @@ class Pipeline:
                 )
             limit = self.scale.backpressure.limit(self.batch_size)
             if self.scale.fair is not None:
-                counts = [dispatched.mark_enqueued(conn, owner=o, ids=ids, now=now,
+                counts = [dispatch_marks.mark_enqueued(conn, owner=o, ids=ids, now=now,
                                                    fence=w.fence, delivered=self._delivered,
                                                    published_to=self.published_to)
                           for o, ids in marks]
@@ -353,7 +353,7 @@ class Pipeline:
                     conn, owner=owner, horizon=w.horizon, after=None, now=now,
                     lease_until=w.lease_until, limit=limit, fence=w.fence,
                 )
-            return dispatched.mark_and_claim(
+            return dispatch_marks.mark_and_claim(
                 conn, marks=marks, owner=owner, horizon=w.horizon, limit=limit, now=now,
                 lease_until=w.lease_until, after=w.backlog_until, fence=w.fence,
                 delivered=self._delivered,
@@ -395,7 +395,8 @@ class Pipeline:
         self.observe.claimed(records, now)
         expired = [r.id for r in records if self.catchup.too_late(r, now)]
         if expired:
-            stats.expired += await asyncio.to_thread(self._db, dispatched.expire, owner, expired)
+            stats.expired += await asyncio.to_thread(self._db, dispatch_marks.expire, owner,
+                                                     expired)
         ready = []
         for rec in records:
             if expired and self.catchup.too_late(rec, now):
@@ -425,7 +426,7 @@ class Pipeline:
     async def _mark(self, owner: str, ok: list[uuid.UUID], stats: PassStats) -> None:
         if not ok:
             return
-        marked = await asyncio.to_thread(self._db, dispatched.mark_enqueued, owner, ok,
+        marked = await asyncio.to_thread(self._db, dispatch_marks.mark_enqueued, owner, ok,
                                          fence=self.scale.fence(self.app.clock.now()),
                                          delivered=self._delivered,
                                          published_to=self.published_to)
@@ -460,7 +461,8 @@ class Pipeline:
                               len(batch), type(exc).__name__, exc)
             stats.failed += len(batch)
             # Back at once, not after their leases: the next pass tries again.
-            await asyncio.to_thread(self._db, dispatched.release, owner, [r.id for r in records])
+            await asyncio.to_thread(self._db, dispatch_marks.release, owner,
+                                    [r.id for r in records])
             raise
         ok = [r.job_id for r in results if r.ok]
         failed = [r for r in results if not r.ok]
@@ -582,7 +584,7 @@ class Pipeline:
         need not wait for their leases to expire."""
         for owner, ids in self.held.take_all().items():
             with contextlib.suppress(DatabaseError):
-                await asyncio.to_thread(self._db, dispatched.release, owner, ids)
+                await asyncio.to_thread(self._db, dispatch_marks.release, owner, ids)
 
 
 __all__ = ["DispatchOptions", "Pipeline", "keep_passing"]

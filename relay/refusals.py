@@ -20,7 +20,7 @@ import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from duebox import dispatched, jobstore
+from duebox import dispatch_marks, jobstore
 from duebox.brokers.base import PublishResult
 from duebox.db import db_errors
 from duebox.logs import CollapsedLog
@@ -59,15 +59,16 @@ class Refusals:
                 rec = by_id[r.job_id]
                 task = self.app.tasks.get(rec.task)
                 delay = (task.retry if task is not None else RetryPolicy()).delay(rec.attempt + 1)
-                refusals.append(dispatched.Refusal(rec, reason, now + timedelta(seconds=delay)))
+                refusals.append(dispatch_marks.Refusal(rec, reason, now + timedelta(seconds=delay)))
         if refusals:
             await asyncio.to_thread(self._refuse, owner, refusals)
 
     def _release(self, owner: str, ids: list[uuid.UUID], reason: str) -> None:
         with db_errors("release"), self.app.engine.begin() as conn:
-            dispatched.release(conn, owner=owner, ids=ids, now=self.app.clock.now(), error=reason)
+            dispatch_marks.release(conn, owner=owner, ids=ids, now=self.app.clock.now(),
+                                   error=reason)
 
-    def _refuse(self, owner: str, refusals: list[dispatched.Refusal]) -> None:
+    def _refuse(self, owner: str, refusals: list[dispatch_marks.Refusal]) -> None:
         with db_errors("refuse"), self.app.engine.begin() as conn:
-            dispatched.refuse(conn, owner=owner, refusals=refusals, worker=self.relay,
+            dispatch_marks.refuse(conn, owner=owner, refusals=refusals, worker=self.relay,
                             now=self.app.clock.now())

@@ -307,7 +307,7 @@ def memory_url() -> str:
 class ShiftedClock:
     """The system clock moved by a fixed offset (``start`` is "now" at
     creation): real time passes, but at another date, e.g. the last day a
-    due time may have (duebox.values.LATEST)."""
+    due time may have (duebox.validation.LATEST)."""
 
     def __init__(self, start: datetime) -> None:
         self.offset = start - datetime.now(UTC)

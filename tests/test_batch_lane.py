@@ -1,4 +1,4 @@
-"""The batch lane (consumers/runner.py, consumers/batch.py, core/unstarted.py): due deliveries of
+"""The batch lane (consumers/runner.py, consumers/batch.py, core/batch_sql.py): due deliveries of
 groupable tasks locked, run and completed in one transaction, with no start
 transaction before it.
 

@@ -1,4 +1,4 @@
-"""core/batched.py: calls that queue up are served together; a batch
+"""core/batched_calls.py: calls that queue up are served together; a batch
 that fails as a whole is retried item by item, so one bad item fails alone."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from duebox.batched import Batched
+from duebox.batched_calls import Batched
 from duebox.consumers.execution import Pools
 
 

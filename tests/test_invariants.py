@@ -35,7 +35,7 @@ from helpers import (
 )
 
 import duebox
-from duebox import FakeClock, JobState, claims, dispatched, jobstore, recovery
+from duebox import FakeClock, JobState, claims, dispatch_marks, jobstore, recovery
 from duebox.brokers.base import Delivery
 from duebox.brokers.memory import MemoryBroker, reset_hubs
 from duebox.consumers import Worker
@@ -156,7 +156,7 @@ def fake_claim(app: duebox.Duebox, job_id: uuid.UUID, stage: str, lease: float =
             return rec.lease_generation
         # Published, marked ENQUEUED, and the broker lost the message (memory://
         # lives in the dead process).
-        assert dispatched.mark_enqueued(conn, owner="dead-relay#1", ids=[job_id], now=now) == 1
+        assert dispatch_marks.mark_enqueued(conn, owner="dead-relay#1", ids=[job_id], now=now) == 1
         if stage == "message-lost":
             return rec.lease_generation
         assert stage == "worker-started"  # a worker started it, then died: RUNNING

@@ -16,7 +16,7 @@ from alembic.runtime.migration import MigrationContext
 from helpers import attempt_rows, job_row, make_app, observer
 
 import duebox
-from duebox import FakeClock, JobState, claims, dispatched, jobstore, migrate, recovery
+from duebox import FakeClock, JobState, claims, dispatch_marks, jobstore, migrate, recovery
 from duebox.tables import job
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -136,10 +136,10 @@ def test_mark_enqueued_is_fenced_by_the_claim_owner(app: duebox.Duebox) -> None:
     ids = add(app, 0, 1)
     dispatch(app, "relay#1")
     with app.engine.begin() as conn:
-        assert dispatched.mark_enqueued(conn, owner="relay#2", ids=ids, now=at(1)) == 0
+        assert dispatch_marks.mark_enqueued(conn, owner="relay#2", ids=ids, now=at(1)) == 0
     assert {job_row(app.engine, i).state for i in ids} == {JobState.DISPATCHING}
     with app.engine.begin() as conn:
-        n = dispatched.mark_enqueued(conn, owner="relay#1", ids=ids, now=at(1),
+        n = dispatch_marks.mark_enqueued(conn, owner="relay#1", ids=ids, now=at(1),
                                    broker_ids={ids[0]: "m-0", ids[1]: "m-1"})
     assert n == 2
     for i, job_id in enumerate(ids):
@@ -147,7 +147,7 @@ def test_mark_enqueued_is_fenced_by_the_claim_owner(app: duebox.Duebox) -> None:
         assert (row.state, row.lease_owner, row.lease_until) == (JobState.ENQUEUED, None, None)
         assert (row.published_at, row.broker_message_id) == (at(1), f"m-{i}")
     with app.engine.begin() as conn:  # a second mark finds nothing to move
-        assert dispatched.mark_enqueued(conn, owner="relay#1", ids=ids, now=at(2)) == 0
+        assert dispatch_marks.mark_enqueued(conn, owner="relay#1", ids=ids, now=at(2)) == 0
 
 
 def test_release_and_expire_only_touch_the_owners_rows(app: duebox.Duebox) -> None:
@@ -155,9 +155,9 @@ def test_release_and_expire_only_touch_the_owners_rows(app: duebox.Duebox) -> No
     dispatch(app, "relay#1", limit=1)
     dispatch(app, "relay#2", limit=1)
     with app.engine.begin() as conn:
-        assert dispatched.release(conn, owner="relay#1", ids=[a, b], now=at(1)) == 1
-        assert dispatched.expire(conn, owner="relay#1", ids=[a, b], now=at(1)) == 0
-        assert dispatched.expire(conn, owner="relay#2", ids=[a, b], now=at(1)) == 1
+        assert dispatch_marks.release(conn, owner="relay#1", ids=[a, b], now=at(1)) == 1
+        assert dispatch_marks.expire(conn, owner="relay#1", ids=[a, b], now=at(1)) == 0
+        assert dispatch_marks.expire(conn, owner="relay#2", ids=[a, b], now=at(1)) == 1
     assert job_row(app.engine, a).state == JobState.SCHEDULED
     assert job_row(app.engine, a).lease_owner is None
     assert job_row(app.engine, b).state == JobState.EXPIRED
@@ -217,7 +217,7 @@ def test_recover_republishes_an_enqueued_job_nobody_started(app: duebox.Duebox) 
     [job_id] = add(app, 10)
     dispatch(app, "relay#1")
     with app.engine.begin() as conn:
-        dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
+        dispatch_marks.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
     assert recover(app, 10 + 59, redeliver_after=60).total == 0
     assert recover(app, 10 + 61, redeliver_after=60).enqueued == 1
     assert job_row(app.engine, job_id).state == JobState.SCHEDULED
@@ -229,11 +229,11 @@ def test_recover_waits_redeliver_after_again_after_a_republish(app: duebox.Duebo
     [job_id] = add(app, 10)
     dispatch(app, "relay#1")
     with app.engine.begin() as conn:
-        dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
+        dispatch_marks.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
     assert recover(app, 10 + 61, redeliver_after=60).enqueued == 1
     dispatch(app, "relay#2", now=10 + 61)
     with app.engine.begin() as conn:  # republished at 71 s
-        dispatched.mark_enqueued(conn, owner="relay#2", ids=[job_id],
+        dispatch_marks.mark_enqueued(conn, owner="relay#2", ids=[job_id],
                                now=at(10 + 61))
     assert recover(app, 10 + 62, redeliver_after=60).total == 0
     assert recover(app, 10 + 61 + 59, redeliver_after=60).total == 0
@@ -285,7 +285,7 @@ def test_a_started_job_given_back_with_its_message_is_not_published_again(
     [job_id] = add(app, 10)
     [claimed] = dispatch(app, "relay#1")
     with app.engine.begin() as conn:
-        dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
+        dispatch_marks.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=T0)
     msg = claimed.to_message()
     rec, _ = start(app, msg, "w#1", now=100)
     assert rec is not None

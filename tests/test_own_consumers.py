@@ -28,7 +28,7 @@ from duebox import (
 )
 from duebox.cli.main import cli
 from duebox.config import Settings
-from duebox.dispatched import mark_and_claim, mark_enqueued
+from duebox.dispatch_marks import mark_and_claim, mark_enqueued
 from duebox.inspect_status import build_report
 from duebox.message import JobMessage
 from duebox.states import JobState

@@ -28,7 +28,7 @@ from duebox import (
     JobStateError,
     ValidationError,
     claims,
-    dispatched,
+    dispatch_marks,
     jobstore,
 )
 from duebox.tables import audit, job
@@ -397,7 +397,7 @@ async def test_reschedule_takes_a_job_back_from_the_relay(
             lease_until=START + timedelta(seconds=30),
         )
         if leased == "ENQUEUED":
-            assert dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=START) == 1
+            assert dispatch_marks.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=START) == 1
     assert job_row(app.engine, job_id).state == leased
     with app.engine.begin() as conn:
         app.reschedule(conn, job_id, delay=20)
@@ -407,7 +407,7 @@ async def test_reschedule_takes_a_job_back_from_the_relay(
     assert row.due_at == START + timedelta(seconds=20)
     # The relay's late mark for its claim is fenced out.
     with app.engine.begin() as conn:
-        assert dispatched.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=START) == 0
+        assert dispatch_marks.mark_enqueued(conn, owner="relay#1", ids=[job_id], now=START) == 0
     # And the message it published is stale.
     with app.engine.begin() as conn:
         started = jobstore.start(

@@ -25,7 +25,7 @@ import duebox
 from duebox import FakeClock, claims
 from duebox.brokers.base import BrokerContext, Outgoing, PublishResult
 from duebox.brokers.memory import MemoryBroker
-from duebox.dispatched import mark_and_claim
+from duebox.dispatch_marks import mark_and_claim
 from duebox.message import STORED_MAX_DEPTH, JobMessage, UndecodableJSON
 from duebox.relay import Relay
 from duebox.tables import job

@@ -18,7 +18,7 @@ import duebox
 from duebox import FakeClock, JobState, claims, jobstore, recovery
 from duebox.brokers.base import BrokerContext, Outgoing, PublishResult
 from duebox.brokers.memory import MemoryBroker
-from duebox.dispatched import mark_and_claim
+from duebox.dispatch_marks import mark_and_claim
 from duebox.errors import BrokerError, DatabaseError
 from duebox.relay import Relay
 from duebox.tables import job

@@ -19,7 +19,7 @@ from conftest import reset_tables
 from scale_procs import RelayProcs, _relay_procs, poll  # noqa: F401 - the fixture
 
 import duebox
-from duebox import FakeClock, JobState, claims, dispatched, recovery
+from duebox import FakeClock, JobState, claims, dispatch_marks, recovery
 from duebox.errors import ConfigurationError
 from duebox.heartbeat import beat
 from duebox.relay.shards import ShardConfig, ShardOwner
@@ -94,7 +94,7 @@ def test_a_stale_generation_claims_and_marks_nothing(app: duebox.Duebox) -> None
     assert sorted(b.owned) == [0, 1, 2, 3]
     assert all(b.owned[k].generation == a.owned[k].generation + 1 for k in range(4))
     with app.engine.begin() as conn:
-        stale = dispatched.mark_enqueued(conn, owner="A#1", ids=ids, now=at(11),
+        stale = dispatch_marks.mark_enqueued(conn, owner="A#1", ids=ids, now=at(11),
                                        fence=a.fence(at(11)))
         unfenced_would = conn.execute(sa.select(sa.func.count()).select_from(job).where(
             job.c.lease_owner == "A#1", job.c.state == JobState.DISPATCHING)).scalar_one()
@@ -106,7 +106,7 @@ def test_a_stale_generation_claims_and_marks_nothing(app: duebox.Duebox) -> None
     assert claim(app, "A#2", a.fence(at(20)), now=20) == []
     assert sorted(claim(app, "B#1", b.fence(at(20)), now=20)) == sorted(ids)
     with app.engine.begin() as conn:
-        assert dispatched.mark_enqueued(conn, owner="B#1", ids=ids, now=at(20),
+        assert dispatch_marks.mark_enqueued(conn, owner="B#1", ids=ids, now=at(20),
                                       fence=b.fence(at(20))) == 40
     a.step(app.engine, at(20))  # A's renewal finds the shards gone and forgets them
     assert a.owned == {}

@@ -1,6 +1,6 @@
 """One start condition (duebox.claims.startable) on every path that starts a
 delivered job: the worker's usual start (jobstore.start_many), the batch
-lane's lock (unstarted.lock_startable), your own consumer's completion
+lane's lock (batch_sql.lock_startable), your own consumer's completion
 (own_queues.complete_steps), and the reason a start gives for a row it did
 not take (jobstore.why_not_started), and a claimed record's own check
 (JobRecord.expired).  Each path is run on the same rows, each
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from helpers import make_app
 
 import duebox
-from duebox import jobstore, unstarted
+from duebox import batch_sql, jobstore
 from duebox.message import JobMessage, MessageRef
 from duebox.own_queues import Completion, complete_steps
 from duebox.producer import drive_sync
@@ -92,7 +92,7 @@ def usual_start(messages: dict[str, JobMessage], now: datetime, ahead: float = 0
 def lane_lock(messages: dict[str, JobMessage], now: datetime, due_by: datetime | None = None
               ) -> Callable[[sa.Connection], set[uuid.UUID]]:
     def path(conn: sa.Connection) -> set[uuid.UUID]:
-        return set(unstarted.lock_startable(conn, list(messages.values()), now, "w#2",
+        return set(batch_sql.lock_startable(conn, list(messages.values()), now, "w#2",
                                             due_by=due_by))
     return path
 
@@ -243,7 +243,7 @@ def test_the_lanes_lock_is_one_statement_text_whatever_the_batch_size(
         sa.event.listen(app.engine, "before_cursor_execute", seen)
         for batch in (messages[:1], messages):
             with app.engine.connect() as conn, conn.begin() as tx:
-                assert len(unstarted.lock_startable(conn, batch, now, "w#1")) == len(batch)
+                assert len(batch_sql.lock_startable(conn, batch, now, "w#1")) == len(batch)
                 tx.rollback()
         assert len(sent) == 2
         assert sent[0] == sent[1]

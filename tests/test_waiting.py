@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from duebox.waiting import wait_any
+from duebox.wait_any import wait_any
 
 
 async def _steps(n: int) -> None:

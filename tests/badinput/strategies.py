@@ -3,7 +3,7 @@ database cannot store or a terminal would obey, numbers at every edge,
 containers JSON does not carry back, nesting from just under duebox's limit
 to 100,000 levels, bodies of megabytes, and instants and durations past both
 ends of the calendar.  ``PLAIN`` is the other side: values that must always
-be accepted and come back equal (duebox.values has the rule)."""
+be accepted and come back equal (duebox.validation has the rule)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from duebox.values import EARLIEST, LATEST, MAX_DEPTH
+from duebox.validation import EARLIEST, LATEST, MAX_DEPTH
 
 MB = 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""Invariant 6 for what duebox stores (duebox.values): text a database cannot
+"""Invariant 6 for what duebox stores (duebox.validation): text a database cannot
 hold is refused before any SQL, so the caller's transaction and its business
 write survive; and what a handler receives equals what was scheduled, or
 scheduling refuses it.
@@ -26,7 +26,7 @@ import duebox
 from duebox import ConfigurationError, ValidationError
 from duebox.message import JobMessage
 from duebox.schedules import ScheduleInfo
-from duebox.values import MAX_DEPTH
+from duebox.validation import MAX_DEPTH
 
 from .common import nothing_written
 from .strategies import MB, NASTY, NASTY_TEXT, PLAIN, nested

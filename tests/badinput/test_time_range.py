@@ -1,5 +1,5 @@
 """Invariant 6 for time: due times, expiry times and durations outside the
-range duebox accepts (duebox.values: from 1970-01-01 up to 9000-01-01 UTC;
+range duebox accepts (duebox.validation: from 1970-01-01 up to 9000-01-01 UTC;
 durations it adds to instants at most 100 years) are refused by name before
 any SQL, and nothing inside the range makes a relay or worker compute a date
 past the calendar (``at=datetime(1, 1, 1)`` was accepted and then crashed
@@ -26,7 +26,7 @@ from duebox import ConfigurationError, Settings, Throttled, ValidationError
 from duebox.failures import FailureClass, Verdict
 from duebox.tables import job
 from duebox.tasks import RetryPolicy
-from duebox.values import EARLIEST, LATEST, MAX_SPAN
+from duebox.validation import EARLIEST, LATEST, MAX_SPAN
 
 from .common import nothing_written
 from .strategies import NASTY_DURATIONS, NASTY_INSTANTS

@@ -53,7 +53,7 @@ from duebox.brokers.base import Capabilities, Durability, Ordering, Outgoing, Pu
 from duebox.message import JobMessage
 from duebox.relay import Relay
 from duebox.tasks import RetryPolicy
-from duebox.values import EARLIEST, LATEST
+from duebox.validation import EARLIEST, LATEST
 
 PROCS = Path(__file__).resolve().parents[1] / "procs"
 

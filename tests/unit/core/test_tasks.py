@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from duebox import ConfigurationError, FailureClass, JobContext, RetryPolicy
 from duebox.failures import Verdict
 from duebox.tasks import check_task_seconds, validate_task_options
-from duebox.values import MAX_SPAN
+from duebox.validation import MAX_SPAN
 
 MOST = MAX_SPAN.total_seconds()
 

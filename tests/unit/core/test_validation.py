@@ -1,4 +1,4 @@
-"""duebox.values: what duebox stores for a caller is kept exactly as given,
+"""duebox.validation: what duebox stores for a caller is kept exactly as given,
 or refused naming the field and the rule.
 
 The JSON rule is checked against a reference written the obvious way (a
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from duebox import ValidationError
-from duebox.values import (
+from duebox.validation import (
     EARLIEST,
     FLOAT_LIMIT,
     LATEST,
