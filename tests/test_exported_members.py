@@ -8,7 +8,8 @@ import duebox
 
 def test_public_names_are_pinned() -> None:
     assert sorted(duebox.__all__) == sorted([
-        "DUPLICATE", "AmbiguousJobError", "Background", "BrokerError", "Classifier", "Clock",
+        "DUPLICATE", "AccessRefusedError", "AmbiguousJobError", "Background", "BrokerError",
+        "Classifier", "Clock",
         "ConfigurationError",
         "DatabaseClock",
         "DatabaseError", "Duebox", "DueboxError", "FailureClass", "FakeClock", "JobContext",
