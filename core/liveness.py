@@ -248,13 +248,24 @@ class SessionLock:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
-        self.held = False
+        held, self.held = self.held, False
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 _sqlite_file(self.engine, self.name).unlink()
             os.close(self._fd)
             self._fd = None
         if self._conn is not None:
+            with contextlib.suppress(Exception):
+                # Let go now: the server ends a closed session's locks a moment
+                # after the close returns, and a look in that moment (another
+                # process of this name, or the relay's liveness check) would
+                # still see this process alive.
+                if held and self.dialect == "postgresql":
+                    self._conn.execute(text("SELECT pg_advisory_unlock(:k)"),
+                                       {"k": lock_key(self.name)})
+                elif held:
+                    self._conn.execute(text("SELECT RELEASE_LOCK(:n)"),
+                                       {"n": _mysql_name(self.name)})
             with contextlib.suppress(Exception):
                 self._conn.close()  # ends the session: the lock goes with it
             self._conn = None
