@@ -44,7 +44,7 @@ from duebox import migrate
 from duebox.brokers.base import Outgoing, PublishResult
 from duebox.brokers.redis import RedisBroker
 from duebox.consumers import Worker
-from duebox.dispatch_policy import DispatchPolicy
+from duebox.fairness.policy import DispatchPolicy
 from duebox.relay import Relay
 from duebox.tables import job
 

@@ -17,7 +17,7 @@ rolled back, so the statement itself then runs on the same rows):
 
 Then it drops the database.  Each statement's text is printed once with its
 plan: compare the node types and the buffers before and after a change to
-the start condition (core/claims.py ``startable``).
+the start condition (core/leases/claims.py ``startable``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from run import DEFAULT_PG, pg_database
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox import batch_sql, jobstore, migrate, own_queues
+from duebox import migrate
+from duebox.leases import batch_sql, jobstore, own_queues
 from duebox.message import JobMessage, MessageRef
 from duebox.producer import drive_sync
 from duebox.tables import job

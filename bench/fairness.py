@@ -49,7 +49,7 @@ from duebox.brokers.base import (
     PublishResult,
 )
 from duebox.brokers.memory import MemoryBroker
-from duebox.dispatch_policy import DispatchPolicy
+from duebox.fairness.policy import DispatchPolicy
 from duebox.relay import Relay
 from duebox.tables import job
 

@@ -40,7 +40,7 @@ import sqlalchemy as sa
 
 import duebox
 from duebox import migrate
-from duebox.logformat import TEXT_FORMAT, JsonFormatter
+from duebox.observability.logformat import TEXT_FORMAT, JsonFormatter
 
 MODES = ("off", "text", "json")
 
@@ -112,7 +112,7 @@ def per_line(mode: str, calls: int) -> float:
     from uuid import uuid4
 
     from duebox.consumers.job_lines import JobLines
-    from duebox.records import JobRecord
+    from duebox.leases.records import JobRecord
 
     due = datetime(2030, 1, 1, tzinfo=UTC)
     rec = JobRecord(id=uuid4(), task="send-reminder", queue="default", payload=None,

@@ -43,8 +43,9 @@ from typing import Any
 import sqlalchemy as sa
 
 import duebox
-from duebox import Settings, jobstore, migrate
+from duebox import Settings, migrate
 from duebox.consumers import Worker
+from duebox.leases import jobstore
 from duebox.relay import Relay
 
 ROOT = Path(__file__).resolve().parents[1]

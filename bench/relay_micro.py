@@ -26,8 +26,8 @@ import pika
 from pika import frame, spec
 
 from duebox.brokers.kafka_publish import murmur2
+from duebox.leases.records import records
 from duebox.metrics import Metrics
-from duebox.records import records
 from duebox.relay.held import HeldJobs
 from duebox.relay.stats import RelayMetrics
 from duebox.seam import Outgoing

@@ -32,16 +32,17 @@ from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
 
 import duebox
-from duebox import jobstore, migrate
+from duebox import migrate
 from duebox.consumers import Worker
 from duebox.db import check_reachable
+from duebox.leases import jobstore
 from duebox.relay import Relay
 from duebox.tables import job
 
 BATCH = 500
 LOAD_CHUNK = 1000  # jobs per app.schedule_many call while loading
 
-# Columns the relay's claim returns (duebox.records.ROW_COLUMNS), for the raw baseline.
+# Columns the relay's claim returns (duebox.leases.records.ROW_COLUMNS), for the raw baseline.
 ROW_COLUMNS = (
     "id, task, queue, payload, headers, due_at, version, attempt, max_attempts, priority, "
     "tenant, key, expires_at, lease_owner, lease_generation, checkpoint"

@@ -39,8 +39,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from duebox.errors import BrokerError, DueboxError, MessageDecodeError, ValidationError
-from duebox.logs import CollapsedLog
 from duebox.message import JobMessage
+from duebox.observability.logs import CollapsedLog
 from duebox.wait_any import wait_any
 
 from . import amqp_pack
@@ -75,7 +75,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from duebox.recovery import EnqueuedRef
+    from duebox.leases.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.amqp")
 

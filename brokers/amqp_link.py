@@ -27,8 +27,8 @@ from duebox.errors import (
     ConfigurationError,
     MissingDependencyError,
 )
-from duebox.logs import collapse_library_logs
 from duebox.message import HEADER_DUE_AT, JobMessage
+from duebox.observability.logs import collapse_library_logs
 
 try:
     import pika
@@ -44,7 +44,7 @@ from .amqp_topology import ExchangeBind, ExchangeDecl, Op, QueueBind, QueueDecl,
 
 # pika logs each failed connection attempt at ERROR in some nine lines: a
 # RabbitMQ cut of 8 s wrote ~1,400 of them.  Once per kind per 30 s, with a
-# count (duebox.logs); duebox says what it does about it in its own lines.
+# count (duebox.observability.logs); duebox says what it does about it in its own lines.
 PIKA_LOGS = collapse_library_logs("pika")
 
 

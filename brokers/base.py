@@ -21,6 +21,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from duebox.errors import AccessRefusedError, BrokerError, ConfigurationError, MessageDecodeError
 from duebox.message import JobMessage
+from duebox.observability.trouble import TROUBLES, Cause, cause_of
 from duebox.registry import effective_max_delay
 from duebox.seam import (
     BrokerContext,
@@ -32,15 +33,14 @@ from duebox.seam import (
     refused,
 )
 from duebox.timing import HANDOVER_LEAD_SECONDS
-from duebox.trouble import TROUBLES, Cause, cause_of
 
 log = logging.getLogger("duebox.broker")
 
 if TYPE_CHECKING:
     import uuid
 
-    from duebox.records import JobRecord
-    from duebox.recovery import EnqueuedRef
+    from duebox.leases.records import JobRecord
+    from duebox.leases.recovery import EnqueuedRef
 
 
 @dataclass
@@ -208,7 +208,7 @@ class Broker(abc.ABC):
         return 0
 
     async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
-        """A worker died (its liveness lock is gone, core/liveness.py): hand
+        """A worker died (its liveness lock is gone, core/processes/liveness.py): hand
         the messages it had received and not settled to live consumers now;
         returns how many.  ``info``: its registry row (``queues``, ...).  Its jobs' rows
         are already recovered, so a handed-on message starts its job, or is
@@ -276,7 +276,7 @@ class Broker(abc.ABC):
 class LaneClaims(abc.ABC):
     """A backend whose workers claim rows from the job table lets the
     worker's batch lane claim the *due* ones itself, in the transaction that
-    runs them (core/batch_sql.py, ``lock_due``): no claim is written for a
+    runs them (core/leases/batch_sql.py, ``lock_due``): no claim is written for a
     job the lane runs.  While the lane :meth:`leads`, the backend's own
     claimer takes only jobs not yet due (the hand-over ahead of the due time)
     and :attr:`wake` tells the lane when due rows wait; jobs the lane locked
@@ -326,8 +326,8 @@ async def open_broker(broker: Broker, stop: asyncio.Event, *,
     broker briefly down at start must not kill the process); False if
     ``stop`` was set first.  Configuration errors are raised at once, and a
     refusal (a wrong login or vhost) once it outlasts the grace of
-    duebox.trouble: :class:`~duebox.errors.AccessRefusedError`.  What it
-    meets is said once per cause per interval (duebox.trouble).
+    duebox.observability.trouble: :class:`~duebox.errors.AccessRefusedError`.  What it
+    meets is said once per cause per interval (duebox.observability.trouble).
     ``refusals_only``: retry refusals only; False at once when the broker is
     out of reach (a look before the process starts, which leaves an outage
     to the process's own retrying)."""

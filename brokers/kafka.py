@@ -50,7 +50,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from duebox.errors import BrokerError, MissingDependencyError
-from duebox.logs import CollapsedLog, kind_of
+from duebox.observability.logs import CollapsedLog, kind_of
 
 from .base import (
     HANDOVER_LEAD_SECONDS,
@@ -81,7 +81,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("aiokafka", "kafka") from exc
 
 if TYPE_CHECKING:
-    from duebox.recovery import EnqueuedRef
+    from duebox.leases.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.kafka")
 

@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("aiokafka", "kafka") from exc
 
 if TYPE_CHECKING:
-    from duebox.recovery import EnqueuedRef
+    from duebox.leases.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.kafka")
 

@@ -59,7 +59,7 @@ from duebox.errors import (
     MissingDependencyError,
     ValidationError,
 )
-from duebox.logs import CollapsedLog
+from duebox.observability.logs import CollapsedLog
 from duebox.wait_any import wait_any
 
 from . import redis_scripts as scripts
@@ -96,7 +96,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("redis", "redis") from exc
 
 if TYPE_CHECKING:
-    from duebox.recovery import EnqueuedRef
+    from duebox.leases.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.redis")
 

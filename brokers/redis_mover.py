@@ -19,7 +19,7 @@ from typing import Any
 
 from duebox.clock import Clock
 from duebox.errors import MissingDependencyError
-from duebox.logs import CollapsedLog
+from duebox.observability.logs import CollapsedLog
 from duebox.timing import HANDOVER_GATHER, HANDOVER_LEAD_SECONDS
 from duebox.wait_any import wait_any
 

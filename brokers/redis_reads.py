@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from duebox.logs import CollapsedLog
+from duebox.observability.logs import CollapsedLog
 
 from .redis_mover import FAILED, passing
 

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from duebox.credentials import redacted
 from duebox.errors import ConfigurationError, DueboxError
-from duebox.logs import CollapsedLog, kind_of
+from duebox.observability.logs import CollapsedLog, kind_of
 
 from .base import Broker, BrokerContext, Capabilities, Delivery, Durability, Ordering
 
 if TYPE_CHECKING:
-    from duebox.recovery import EnqueuedRef
+    from duebox.leases.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.broker")
 

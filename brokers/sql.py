@@ -17,7 +17,7 @@ claims only due jobs.
 
 A worker's batch lane (consumers/runner.py) may claim the due jobs itself, in
 the transaction that runs them, with no claim written (:meth:`lane_claims`,
-core/batch_sql.py ``lock_due``): while it leads, this claimer takes only
+core/leases/batch_sql.py ``lock_due``): while it leads, this claimer takes only
 jobs due later (the hand-over above) and wakes the lane when due rows wait.
 Not with a dispatch policy, whose fair claim decides the order.
 """
@@ -32,11 +32,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from duebox import claims, jobstore
 from duebox.db import PgWaker, db_errors, parse_database_url
 from duebox.errors import ConfigurationError, DatabaseError
-from duebox.fair_claim import DispatchPolicy, FairPicker
-from duebox.holding import Hold
+from duebox.fairness.claim import DispatchPolicy, FairPicker
+from duebox.leases import claims, jobstore
+from duebox.leases.holding import Hold
 from duebox.timing import HANDOVER_GATHER, SQL_HANDOVER_LEAD
 from duebox.wait_any import wait_any
 

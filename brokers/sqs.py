@@ -59,7 +59,7 @@ from duebox.errors import (
     MissingDependencyError,
     ValidationError,
 )
-from duebox.logs import CollapsedLog
+from duebox.observability.logs import CollapsedLog
 
 from .base import (
     BrokerContext,
@@ -81,7 +81,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("boto3", "sqs") from exc
 
 if TYPE_CHECKING:
-    from duebox.recovery import EnqueuedRef
+    from duebox.leases.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.sqs")
 

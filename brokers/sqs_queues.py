@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test with the mo
     raise MissingDependencyError("boto3", "sqs") from exc
 
 if TYPE_CHECKING:
-    from duebox.recovery import EnqueuedRef
+    from duebox.leases.recovery import EnqueuedRef
 
 log = logging.getLogger("duebox.brokers.sqs")
 

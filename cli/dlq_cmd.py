@@ -9,8 +9,8 @@ import click
 
 from duebox import dlq
 from duebox.ids import parse_job_id
-from duebox.inspect import payloads
 from duebox.masking import masked, shown_as_is
+from duebox.reads.jobs import payloads
 from duebox.validation import check_operator, shown
 
 from .loading import load_app

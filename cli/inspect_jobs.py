@@ -1,5 +1,5 @@
 """``duebox jobs list|show`` and ``duebox dlq show``: the read models of
-:mod:`duebox.inspect` as text.  Error text and tracebacks are masked like the
+:mod:`duebox.reads.jobs` as text.  Error text and tracebacks are masked like the
 payload (:mod:`duebox.masking`)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from datetime import datetime
 from typing import Any
 
 from duebox import Duebox
-from duebox.inspect import JobDetail, JobView, find_job, load_job, locator, where_now
 from duebox.masking import Masked, masked
-from duebox.results import loaded
+from duebox.reads.jobs import JobDetail, JobView, find_job, load_job, locator, where_now
+from duebox.reads.results import loaded
 from duebox.validation import shown
 
 
@@ -68,7 +68,7 @@ def render_job(app: Duebox, detail: JobDetail, now: datetime,
                else json.dumps(m.payload, sort_keys=True)[:2000])
     lines.append(f"  payload {shown(payload)}")
     if detail.result_text is not None:
-        # Masked like the payload (duebox.results): always shown, it is short.
+        # Masked like the payload (duebox.reads.results): always shown, it is short.
         kept = m.value(loaded(detail.result_text))
         result = f"({m.note})" if m.hidden else json.dumps(kept, sort_keys=True)[:2000]
         lines.append(f"  result {shown(result)}")

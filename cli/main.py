@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from duebox import Duebox, DueboxError, migrate
 from duebox.credentials import redacted
 from duebox.ids import parse_job_id
-from duebox.inspect_status import DUE_WITHIN
+from duebox.reads.status import DUE_WITHIN
 from duebox.states import JobState
 from duebox.validation import MAX_SPAN
 
@@ -50,7 +50,7 @@ from .schedules_cmd import schedules
 @click.version_option(package_name="duebox")
 def cli(log_level: str, log_format: str) -> None:
     """duebox: durable delayed dispatch on the broker you already run."""
-    from duebox.logformat import configure
+    from duebox.observability.logformat import configure
 
     configure(log_level, log_format.lower())
 
@@ -204,7 +204,7 @@ def jobs_list(app_spec: str | None, database_url: str | None, broker_url: str | 
               state: str | None, queue: str | None, task: str | None, key_prefix: str | None,
               limit: int, as_json: bool) -> None:
     """The latest jobs by due time."""
-    from duebox.inspect import JobFilter, list_jobs
+    from duebox.reads.jobs import JobFilter, list_jobs
 
     from .inspect_jobs import LIST_HEAD, list_json, list_line
 
@@ -277,7 +277,7 @@ def status(app_spec: str | None, database_url: str | None, broker_url: str | Non
     tables), 2 on a usage error. With --watch, the last report's."""
     import time
 
-    from duebox.inspect_status import Verdict, build_report
+    from duebox.reads.status import Verdict, build_report
 
     from .status_view import render
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from duebox.brokers.base import Broker, open_broker
 from duebox.db import check_tables
 from duebox.errors import AccessRefusedError, DatabaseError
-from duebox.trouble import TROUBLES, cause_of
+from duebox.observability.trouble import TROUBLES, cause_of
 
 if TYPE_CHECKING:
     from duebox import Duebox
@@ -24,7 +24,7 @@ T = TypeVar("T")
 log = logging.getLogger("duebox.cli")
 
 # How often a process waiting for its database at start asks again; it says
-# so once per interval of duebox.trouble (30 s), with a count.
+# so once per interval of duebox.observability.trouble (30 s), with a count.
 _ASK_EVERY = 1.0
 
 
@@ -49,12 +49,12 @@ def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[T]]) -> T | No
 async def database_ready(app: Duebox, action: str, stop: asyncio.Event) -> bool:
     """Whether the app's database answers, with duebox's tables: a relay or
     worker started while its database cannot be reached waits for it (one
-    line per interval, duebox.trouble), as it rides out an outage once
+    line per interval, duebox.observability.trouble), as it rides out an outage once
     running; False if ``stop`` came first.  A database that answers without
     duebox's tables or a privilege, or a missing SQLite file, is raised at
     once: waiting would not mend it.  One that refuses the connection (a
     wrong password, an unknown database or role) is asked again through the
-    grace of duebox.trouble, then raised as AccessRefusedError."""
+    grace of duebox.observability.trouble, then raised as AccessRefusedError."""
     waited = False
     while not stop.is_set():
         try:

@@ -13,8 +13,7 @@ from typing import Any
 import click
 from sqlalchemy.orm import Session
 
-from duebox.cron import DEFAULT_FOLD, DEFAULT_GAP, FOLD_POLICIES, GAP_POLICIES, Fire, load_zone
-from duebox.schedules import (
+from duebox.schedules.api import (
     DEFAULT_MISFIRE,
     DEFAULT_OVERLAP,
     MISFIRE_POLICIES,
@@ -22,6 +21,14 @@ from duebox.schedules import (
     DeleteResult,
     PutResult,
     ScheduleInfo,
+)
+from duebox.schedules.cron import (
+    DEFAULT_FOLD,
+    DEFAULT_GAP,
+    FOLD_POLICIES,
+    GAP_POLICIES,
+    Fire,
+    load_zone,
 )
 from duebox.validation import shown
 

@@ -1,8 +1,8 @@
-"""``duebox status``: the health report (:mod:`duebox.inspect_status`) as text."""
+"""``duebox status``: the health report (:mod:`duebox.reads.status`) as text."""
 
 from __future__ import annotations
 
-from duebox.inspect_status import GroupView, StatusReport
+from duebox.reads.status import GroupView, StatusReport
 from duebox.validation import shown
 
 

@@ -11,7 +11,7 @@ batch runs up to ``group_commit`` jobs in one transaction:
      lease (owner, generation, version) is checked under the lock;
    - ``UNSTARTED``: deliveries whose jobs were never started: their rows
      locked by ``(id, version)``, startable, due, not expired, ``SKIP
-     LOCKED`` (core/batch_sql.py) — no start transaction before;
+     LOCKED`` (core/leases/batch_sql.py) — no start transaction before;
    - ``DUE`` (``sql://``): the due rows themselves, locked as a claim scans
      them; those the batch may not run are leased in it, for the usual path.
 
@@ -78,11 +78,11 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
 
-from duebox import batch_sql, claims, jobstore
 from duebox.brokers.base import Delivery
 from duebox.clock import Clock, wait_until
 from duebox.db import bound_idle_transaction, db_errors
 from duebox.failures import error_line
+from duebox.leases import batch_sql, claims, jobstore
 from duebox.message import JobMessage, stored_payload_ok
 from duebox.states import LeaseVerdict
 from duebox.tasks import Task
@@ -238,7 +238,7 @@ class Batches:
 
     def owner(self) -> str:
         """A lease owner of this worker's (``<name>#...``: its jobs are known
-        to be its own when it dies, core/takeover.py), unique per batch."""
+        to be its own when it dies, core/processes/takeover.py), unique per batch."""
         return f"{self.worker}#batch{next(self._seq)}"
 
 

@@ -29,7 +29,7 @@ When an :class:`SQLDedupeStore`'s engine is the job table's database, the
 decorator also **completes the job** (docs/own-consumers.md): in the same
 transaction as the dedupe row and the handler's writes, the job becomes
 ``SUCCEEDED``, fenced on the message's id, version and task
-(core/own_queues.py).  A copy the job has moved on from (another version, a
+(core/leases/own_queues.py).  A copy the job has moved on from (another version, a
 cancelled or finished job, a forged task, no version or task at all) is
 answered :data:`DUPLICATE` without running the handler and leaves no dedupe
 row; a message handed over before its due time on the database server's
@@ -47,12 +47,12 @@ from sqlalchemy import String, bindparam, delete, func, literal, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.dialects import postgresql
 
-from duebox import jobstore
 from duebox.clock import utcnow
 from duebox.db import create_async_engine_for, insert_if_absent
 from duebox.errors import NotDueError
+from duebox.leases import jobstore
+from duebox.leases.own_queues import Completion, Outcome, complete_steps
 from duebox.message import HEADER_ID, HEADER_TASK, HEADER_VERSION, MessageRef
-from duebox.own_queues import Completion, Outcome, complete_steps
 from duebox.producer import drive_sync
 from duebox.tables import job, processed
 
@@ -131,7 +131,7 @@ class SQLDedupeStore:
 
     def claim_and_complete(self, rec: Any, now: Any) -> tuple[Any, dict[str, Any]]:
         """PostgreSQL: the dedupe row, the fenced completion and the attempt's
-        outcome in one statement (:func:`duebox.jobstore.complete_after_claim`),
+        outcome in one statement (:func:`duebox.leases.jobstore.complete_after_claim`),
         built once; its row is ``(claimed, completed, closed)``."""
         stmt = self._bound.get("postgresql+complete")
         if stmt is None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from duebox import dlq, jobstore, results
+from duebox import dlq
 from duebox.clock import wait_until
 from duebox.db import SQLITE_DEFERRED, db_errors
 from duebox.errors import DatabaseError, LeaseLostError, ValidationError
@@ -32,11 +32,13 @@ from duebox.failures import (
     error_line,
 )
 from duebox.ids import uuid7
-from duebox.logs import job_fields, log_traced
+from duebox.leases import jobstore
 from duebox.masking import masked_text
+from duebox.observability.logs import job_fields, log_traced
+from duebox.observability.trouble import log_trouble
+from duebox.reads import results
 from duebox.states import LeaseVerdict
 from duebox.tasks import JobContext, JobControl, Task
-from duebox.trouble import log_trouble
 
 from .dedupe import SQLDedupeStore
 from .handler_session import HandlerSession
@@ -89,7 +91,7 @@ class _Duplicate(Exception):
 
 class _BadResult(Exception):
     """Raised inside an async handler's transaction to roll it back: its
-    return value cannot be kept (duebox.results)."""
+    return value cannot be kept (duebox.reads.results)."""
 
     def __init__(self, error: ValidationError) -> None:
         super().__init__(str(error))

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from duebox.logs import job_fields
-from duebox.records import JobRecord
+from duebox.leases.records import JobRecord
+from duebox.observability.logs import job_fields
 
 log = logging.getLogger("duebox.jobs")
 

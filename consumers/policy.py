@@ -27,8 +27,8 @@ import math
 import time
 from collections.abc import Mapping
 
-from duebox import tracing
 from duebox.message import ORDERING_KEY_HEADER
+from duebox.observability import tracing
 from duebox.tasks import Task
 
 # A batch starts no further handler once it has run this long: its commit

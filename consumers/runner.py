@@ -45,16 +45,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Protocol
 
-from duebox import jobstore
 from duebox.brokers.base import Broker, Delivery, LaneClaims
 from duebox.clock import follows_real_time
 from duebox.db import db_errors
-from duebox.holding import Hold
-from duebox.logs import CollapsedLog, kind_of
+from duebox.leases import jobstore
+from duebox.leases.holding import Hold
 from duebox.message import ORDERING_KEY_HEADER, stored_payload_ok
+from duebox.observability.logs import CollapsedLog, kind_of
+from duebox.observability.trouble import log_trouble
 from duebox.tasks import Task
 from duebox.timing import HANDOVER_GATHER, LANE_HOLD_MOST, LANE_LOCK_LEAD
-from duebox.trouble import log_trouble
 from duebox.wait_any import wait_any
 
 from .batch import Batch, Batches, BatchOutcome, Item, Kind, Running

@@ -13,9 +13,9 @@ import itertools
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from duebox import jobstore
 from duebox.batched_calls import Batched
 from duebox.db import db_errors
+from duebox.leases import jobstore
 from duebox.message import JobMessage
 from duebox.states import Discard
 

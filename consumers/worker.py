@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
-from duebox import dispatch_marks, jobstore, tracing
 from duebox.batched_calls import Batched
 from duebox.brokers.base import Broker, Delivery, open_broker
 from duebox.clock import Clock, follows_real_time
@@ -41,16 +40,18 @@ from duebox.credentials import redacted
 from duebox.db import db_errors
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError, ValidationError
 from duebox.failures import FailureClass, Verdict
-from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
-from duebox.logs import CollapsedLog, kind_of
+from duebox.leases import dispatch_marks, jobstore
 from duebox.message import JobMessage, check_stored_payload
 from duebox.metrics import Metrics, observe_many, process_metrics, seconds
+from duebox.observability import tracing
+from duebox.observability.logs import CollapsedLog, kind_of
+from duebox.observability.trouble import log_trouble
+from duebox.processes.heartbeat import ProcessHeartbeat
 from duebox.registry import check_queue_name
 from duebox.states import Discard
 from duebox.tasks import Task
 from duebox.timing import EARLY_HOLD_SECONDS, EXECUTOR_HOLD_MOST, REREAD_LEAD
-from duebox.trouble import log_trouble
 
 from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up

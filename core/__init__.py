@@ -31,10 +31,10 @@ from .errors import (
 )
 from .failures import Classifier, FailureClass, Permanent, Throttled, Transient
 from .handle import TaskHandle
-from .inspect import JobInfo
 from .message import JobMessage
-from .periodic import Periodic
 from .producer import NewJob
+from .reads.jobs import JobInfo
+from .schedules.periodic import Periodic
 from .states import JobState
 from .tables import metadata
 from .tasks import JobContext, RetryPolicy, Task

@@ -12,16 +12,14 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from . import own_queues
 from .clock import Clock, DatabaseClock
 from .config import Settings
 from .db import create_async_engine_for, create_sync_engine
 from .errors import ConfigurationError, UnknownTaskError, ValidationError
 from .failures import DEFAULT_CLASSIFIER, Classifier, ClassRule
 from .handle import TaskHandle
-from .inspect import JobInfo, record_steps
-from .job_wait import check_timeout, wait, wait_async
-from .periodic import Periodic, declarations
+from .leases import own_queues
+from .observability.tracing import stamp
 from .producer import (
     JobOptions,
     NewJob,
@@ -41,6 +39,8 @@ from .producer import (
     resolve_due,
     tables_first,
 )
+from .reads.jobs import JobInfo, record_steps
+from .reads.wait import check_timeout, wait, wait_async
 from .registry import (
     broker_class,
     check_broker_url,
@@ -49,7 +49,8 @@ from .registry import (
     routed_broker_class,
 )
 from .routes import Routes
-from .schedules import Schedules
+from .schedules.api import Schedules
+from .schedules.periodic import Periodic, declarations
 from .seam import BrokerContext
 from .secret_keys import SecretKeys, parse_mask_keys
 from .targets import AsyncTarget, SyncTarget
@@ -61,7 +62,6 @@ from .tasks import (
     check_task_seconds,
     validate_task_options,
 )
-from .tracing import stamp
 from .validation import aware, check_json, check_operator, check_optional_str, encode_json
 
 if TYPE_CHECKING:
@@ -259,7 +259,7 @@ class Duebox:
         the ``result_ttl`` setting, a day): ``app.get_job(...).result``,
         ``app.wait_for(job_id)``.  Such a task runs each job in a transaction
         of its own (no group commit); a result that is not JSON or too large
-        fails the attempt, permanently (duebox.results).
+        fails the attempt, permanently (duebox.reads.results).
         """
         queue = queue or "default"
         validate_task_options(name, queue, max_attempts)
@@ -558,7 +558,7 @@ class Duebox:
         :class:`WaitTimeoutError` (a :class:`DueboxError`) after ``timeout``
         seconds of real time.  Reads the job every 10 ms at first, every
         half second after a few seconds, each time in a transaction of its
-        own on ``app.engine`` (core/job_wait.py)."""
+        own on ``app.engine`` (core/reads/wait.py)."""
         seconds = check_timeout(timeout)
 
         def read() -> JobInfo:

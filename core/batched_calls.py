@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from .logs import CollapsedLog, kind_of
+from .observability.logs import CollapsedLog, kind_of
 
 log = logging.getLogger("duebox.worker")
 # An outage fails every batch the same way: once per kind per interval.

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from . import own_queues
-from .dispatch_policy import DispatchPolicy
 from .errors import ConfigurationError
+from .fairness.policy import DispatchPolicy
+from .leases import own_queues
 from .routes import check_routes, parse_routes
 from .secret_keys import DEFAULT_MASK_KEYS, SecretKeys, parse_mask_keys
 from .validation import MAX_SPAN
@@ -82,7 +82,7 @@ class Settings:
     # id, attempt, run time, start lateness, outcome.  Off by default: at
     # thousands of jobs a second the lines cost (docs/observability.md).
     log_jobs: bool = False
-    # Results of tasks with store_result=True (duebox.results): the most a
+    # Results of tasks with store_result=True (duebox.reads.results): the most a
     # result may weigh, in bytes of JSON, and how long it is kept after the
     # job finished unless the task says otherwise (then relays delete it).
     max_result_bytes: int = 64 * 1024

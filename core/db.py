@@ -33,8 +33,8 @@ from .errors import (
     PermissionDeniedError,
     TablesMissingError,
 )
-from .logs import CollapsedLog
 from .message import lenient_json
+from .observability.logs import CollapsedLog
 
 log = logging.getLogger("duebox.db")
 

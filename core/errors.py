@@ -140,7 +140,7 @@ class BrokerRefusedError(BrokerUnreachableError):
 
 class AccessRefusedError(ConfigurationError):
     """The database or the broker refused the connection throughout the
-    grace (duebox.trouble): a wrong password, an unknown user, role, vhost
+    grace (duebox.observability.trouble): a wrong password, an unknown user, role, vhost
     or database.  The ``duebox relay`` and ``worker`` commands stop with
     exit status 78 (EX_CONFIG) and this one line."""
 

@@ -59,7 +59,7 @@ class Masked:
         return self.keys.scrub(value)
 
     def value(self, value: Any) -> Any:
-        """Another JSON value of the job (its result, duebox.results) as it
+        """Another JSON value of the job (its result, duebox.reads.results) as it
         may be shown, masked like the payload: the values of secret keys
         replaced by ``****``, and every string in it that quotes what the
         payload's mask hid cut as error text is; None when hidden."""

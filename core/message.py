@@ -31,8 +31,8 @@ from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore
 from typing import Any
 
 from .errors import MessageDecodeError
+from .observability.tracing import TRACE_HEADERS
 from .states import Discard
-from .tracing import TRACE_HEADERS
 from .validation import text_problem
 
 FORMAT = "duebox/1"
@@ -270,7 +270,8 @@ class JobMessage:
             HEADER_DUE_AT: due,
             HEADER_TASK: self.task,
         }
-        if self.headers:  # the W3C trace context (duebox.tracing), where the job has one
+        # The W3C trace context (duebox.observability.tracing), where the job has one.
+        if self.headers:
             for k in TRACE_HEADERS:
                 if k in self.headers:
                     headers[k] = str(self.headers[k])

@@ -36,9 +36,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, case, func, select
 
-from . import claims
 from .db import SQLITE_DEFERRED
-from .heartbeat import ProcessRow, alive, expired_names
+from .leases import claims
+from .processes.heartbeat import ProcessRow, alive, expired_names
 from .states import JobState
 from .tables import job
 

@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import ColumnElement, Connection, and_, func, or_, select, update
 
-from .claims import update_locked
 from .credentials import redacted
+from .leases.claims import update_locked
 from .routes import Route, Routes
 from .states import JobState
 from .tables import job

@@ -247,7 +247,7 @@ schedule = Table(
     Column("jitter_seconds", Integer, nullable=False, default=0),
     Column("version", Integer, nullable=False, default=1),
     Column("paused", Boolean, nullable=False, default=False),
-    # Added by migration 0002 (recurring schedules, see duebox.schedules).
+    # Added by migration 0002 (recurring schedules, see duebox.schedules.api).
     Column("gap_policy", String(8), nullable=False, default="shift"),
     Column("fold_policy", String(8), nullable=False, default="first"),
     Column("priority", Integer, nullable=False, default=0),
@@ -256,7 +256,7 @@ schedule = Table(
     _dt("last_fire_at"),
     _dt("created_at", nullable=False),
     _dt("updated_at", nullable=False),
-    # Added by migration 0007 (schedules as code, see duebox.schedule_sync):
+    # Added by migration 0007 (schedules as code, see duebox.schedules.sync):
     # "api" for a schedule made by hand (app.schedules, the CLI), which the
     # relay's sync never touches; "code" for one declared next to its task.
     Column("origin", String(8), nullable=False, default="api"),
@@ -270,7 +270,7 @@ schedule = Table(
 result = Table(
     "duebox_result",
     metadata,
-    # Added by migration 0009 (duebox.results): what the handler of a task
+    # Added by migration 0009 (duebox.reads.results): what the handler of a task
     # with store_result=True returned, as JSON text, written with the job's
     # completion and deleted by a relay once ``expires_at`` has passed.
     Column("job_id", Uuid(), primary_key=True),

@@ -111,7 +111,7 @@ class Task:
     # May share a transaction with other short jobs of the worker (group
     # commit, consumers/batch.py); False: always a transaction alone.
     group_commit: bool = True
-    # Keep what the handler returns (duebox.results), for ``result_ttl``
+    # Keep what the handler returns (duebox.reads.results), for ``result_ttl``
     # seconds (None: the app's setting).  Such a task runs every job in a
     # transaction of its own (group_commit is False).
     store_result: bool = False

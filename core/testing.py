@@ -49,15 +49,16 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import func, select
 
-from duebox import migrate, occurrences
+from duebox import migrate
 from duebox.app import Duebox
 from duebox.brokers.memory import MemoryBroker
 from duebox.clock import Clock, FakeClock
 from duebox.config import Settings
 from duebox.consumers import Worker
 from duebox.errors import ConfigurationError, ValidationError
-from duebox.inspect import JobInfo
+from duebox.reads.jobs import JobInfo
 from duebox.relay import Relay
+from duebox.schedules import occurrences
 from duebox.states import JobState
 from duebox.tables import job
 

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from duebox import dlq
 from duebox.errors import ValidationError
 from duebox.ids import parse_job_id, uuid7
-from duebox.schedules import ScheduleInfo
+from duebox.schedules.api import ScheduleInfo
 from duebox.tables import audit
 
 from .context import Dashboard

@@ -16,11 +16,11 @@ import dataclasses
 from datetime import timedelta
 from typing import Any
 
-from duebox.cron import load_zone
 from duebox.masking import Masked
 from duebox.metrics import seconds as elapsed
-from duebox.results import loaded
-from duebox.schedules import ScheduleInfo
+from duebox.reads.results import loaded
+from duebox.schedules.api import ScheduleInfo
+from duebox.schedules.cron import load_zone
 
 from .context import Dashboard
 from .reads import (
@@ -145,7 +145,7 @@ def schedule(d: Dashboard, request: Request, ref: str) -> Response:
             "at": change, "from": (change - timedelta(seconds=1)).astimezone(zone).tzname(),
             "to": change.astimezone(zone).tzname()},
         "occurrences": [_row(r) for r in shown.recent],
-        "operator_actions": [_row(a) for a in shown.actions],
+        "operator_actions": [dataclasses.asdict(a) for a in shown.actions],
     })
 
 
@@ -159,7 +159,7 @@ def processes(d: Dashboard, request: Request) -> Response:
                        else None,
                        "expires_in_s": (p.expires_at - now).total_seconds(),
                        "leased": seen.leased.get(p.name, {})} for p in seen.alive],
-        "leases": [{**_row(r), "expires_in_s": (r.expires_at - now).total_seconds()
+        "leases": [{**dataclasses.asdict(r), "expires_in_s": (r.expires_at - now).total_seconds()
                     if r.expires_at else None} for r in seen.leases],
     })
 

@@ -15,24 +15,20 @@ from typing import Any
 from sqlalchemy import select
 
 from duebox import dlq
-from duebox.cron import Fire
 from duebox.errors import DatabaseError, ValidationError
-from duebox.heartbeat import alive
 from duebox.ids import parse_job_id
-from duebox.inspect import JobDetail, load_job, locator, payloads, where_now
-from duebox.inspect_status import StatusReport, build_report
 from duebox.masking import Masked
-from duebox.schedules import ScheduleInfo
-from duebox.tables import job
-
-from .context import Dashboard
-from .queries import (
+from duebox.processes.heartbeat import alive
+from duebox.reads.jobs import JobDetail, load_job, locator, payloads, where_now
+from duebox.reads.pages import (
     PAGE_MAX,
     Cursor,
     DueBucket,
     JobFilter,
     JobPage,
     LatenessBucket,
+    NamedLease,
+    ScheduleAction,
     due_ahead,
     fires_ahead,
     in_flight_by_owner,
@@ -43,6 +39,12 @@ from .queries import (
     schedules_page,
     search_jobs,
 )
+from duebox.reads.status import StatusReport, build_report
+from duebox.schedules.api import ScheduleInfo
+from duebox.schedules.cron import Fire
+from duebox.tables import job
+
+from .context import Dashboard
 
 WINDOW = 300.0  # seconds of starts behind "throughput" (as in duebox status)
 HORIZONS = {"5m": 300.0, "1h": 3600.0, "6h": 6 * 3600.0, "24h": 24 * 3600.0}
@@ -188,8 +190,8 @@ def read_dlq(d: Dashboard, query: Mapping[str, str], limit: int) -> DeadLetters:
 @dataclass
 class Processes:
     now: datetime
-    alive: list[Any]  # duebox.heartbeat.ProcessRow
-    leases: list[Any]  # named leases (shards, schedule generation)
+    alive: list[Any]  # duebox.processes.heartbeat.ProcessRow
+    leases: list[NamedLease]  # shards, schedule generation, ...
     leased: dict[str, dict[str, int]]  # jobs each process holds leased, by state
 
 
@@ -239,7 +241,7 @@ class ShownSchedule:
     mask: Masked
     fires: list[Fire]  # the next ten
     recent: list[Any]  # latest occurrences (jobs)
-    actions: list[Any]  # pause/resume audit rows
+    actions: list[ScheduleAction]  # pause/resume, as audited
 
 
 def read_schedule(d: Dashboard, ref: str) -> ShownSchedule:

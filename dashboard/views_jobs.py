@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from duebox.inspect import AttemptView, JobDetail
 from duebox.masking import Masked
-from duebox.results import loaded
+from duebox.reads.jobs import AttemptView, JobDetail
+from duebox.reads.results import loaded
 from duebox.states import FINAL_STATES, JobState
 
 from .context import Dashboard

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta, tzinfo
-from typing import Any
 
-from duebox.cron import Fire, load_zone
 from duebox.metrics import seconds as elapsed
+from duebox.reads.pages import ScheduleAction
+from duebox.schedules.cron import Fire, load_zone
 
 from .context import Dashboard
 from .reads import (
@@ -110,7 +110,7 @@ def schedule_page(d: Dashboard, request: Request, ref: str) -> Response:
                               banner=d.take_flash(request)))
 
 
-def _schedule_audit(actions: list[Any]) -> str:
+def _schedule_audit(actions: list[ScheduleAction]) -> str:
     return table(["at (UTC)", "action", "operator", "reason"],
                  [[ts(a.at), esc(a.action), esc(a.operator), esc(a.reason)] for a in actions],
                  empty="none recorded", cls="audit")

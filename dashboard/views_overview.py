@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from duebox.inspect_status import GroupView
+from duebox.reads.status import GroupView
 
 from .charts import bar_chart, line_chart
 from .context import Dashboard

@@ -25,8 +25,8 @@ import math
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from duebox import jobstore, recovery
 from duebox.db import SQLITE_DEFERRED, db_errors
+from duebox.leases import jobstore, recovery
 
 if TYPE_CHECKING:
     from duebox.app import Duebox

@@ -25,8 +25,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from duebox.holding import Hold
-from duebox.records import JobRecord
+from duebox.leases.holding import Hold
+from duebox.leases.records import JobRecord
 from duebox.timing import HANDOVER_GATHER
 
 # At most this many held jobs (per relay): beyond it, the broker's delay.
@@ -40,7 +40,7 @@ class _Held:
 
 
 class HeldJobs:
-    """Held jobs by release time (the near-due :class:`~duebox.holding.Hold`
+    """Held jobs by release time (the near-due :class:`~duebox.leases.holding.Hold`
     sql:// workers use too); ``changed`` is set when a job
     is held earlier than every other (the timer sleeps until the earliest)."""
 

@@ -1,6 +1,6 @@
 """How far ahead the relay claims, assembled in one place.
 
-A claim takes ``SCHEDULED`` jobs due by its horizon (core/claims.py
+A claim takes ``SCHEDULED`` jobs due by its horizon (core/leases/claims.py
 ``due``).  The horizon is ``now`` plus the *reach*: the broker's longest
 delay (``max_delay``; unbounded where the broker has none) plus the relay's
 hold window, cut to a poll interval when a rate limit shapes dispatch

@@ -9,7 +9,7 @@ pass:
 
 1. **Claim** a bounded batch in a short transaction: ``SCHEDULED`` jobs of
    its route due by ``now + max_delay (+ hold window)`` (the claim window:
-   relay/horizon.py; the claim: core/claims.py) become ``DISPATCHING``,
+   relay/horizon.py; the claim: core/leases/claims.py) become ``DISPATCHING``,
    leased to a per-claim owner token.  The same predicate parks jobs beyond
    the broker's ceiling and picks them up as they come near.  After an
    outage, **overdue** jobs go first: rate-limited, highest priority first,
@@ -43,13 +43,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from duebox import dispatch_marks, jobstore, reroute, routes, tracing
+from duebox import reroute, routes
 from duebox.brokers.base import Outgoing, PublishingBroker, open_broker
 from duebox.db import PgWaker, bound_idle_transaction, db_errors
-from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError
-from duebox.logs import CollapsedLog, kind_of
+from duebox.fairness.policy import DispatchPolicy
+from duebox.leases import dispatch_marks, jobstore
 from duebox.metrics import Metrics
+from duebox.observability import tracing
+from duebox.observability.logs import CollapsedLog, kind_of
 from duebox.routes import Route
 from duebox.wait_any import wait_any
 
@@ -166,7 +168,7 @@ class Pipeline:
         # ids); the next claim's transaction marks them (see _claim_publish_mark).
         self._unmarked: list[tuple[str, list[uuid.UUID]]] = []
         # Queues your own consumer reads: their marks say DELIVERED
-        # (core/own_queues.py, docs/own-consumers.md).
+        # (core/leases/own_queues.py, docs/own-consumers.md).
         self._delivered = app.settings.own_queues
         self._log = CollapsedLog(log)
         self.refusals = Refusals(app, name, self._log)

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from duebox import recovery
 from duebox.db import db_errors
-from duebox.logs import CollapsedLog
+from duebox.leases import recovery
+from duebox.observability.logs import CollapsedLog
 
 if TYPE_CHECKING:
     from duebox.app import Duebox

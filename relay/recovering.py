@@ -1,6 +1,6 @@
 """The relay's recovery step: leases that ran out go back to ``SCHEDULED``
-(core/recovery.py), and processes found dead by their liveness lock
-(core/liveness.py) have their jobs taken over at once, the messages a dead
+(core/leases/recovery.py), and processes found dead by their liveness lock
+(core/processes/liveness.py) have their jobs taken over at once, the messages a dead
 worker had received handed on by each broker the relay publishes to."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from duebox import recovery
 from duebox.brokers.routed import hand_on
 from duebox.db import db_errors
-from duebox.takeover import Takeover
+from duebox.leases import recovery
+from duebox.processes.takeover import Takeover
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -33,7 +33,7 @@ class LeaseRecovery:
         self.batch_size = batch_size
         self.interval = interval
         self._last = -math.inf
-        # Dead relays' and workers' jobs, taken over at once (core/takeover.py).
+        # Dead relays' and workers' jobs, taken over at once (core/processes/takeover.py).
         self.name = name
         self.takeover = Takeover(app.engine, app.clock, batch_size, name)
 

@@ -20,10 +20,10 @@ import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from duebox import dispatch_marks, jobstore
 from duebox.brokers.base import PublishResult
 from duebox.db import db_errors
-from duebox.logs import CollapsedLog
+from duebox.leases import dispatch_marks, jobstore
+from duebox.observability.logs import CollapsedLog
 from duebox.tasks import RetryPolicy
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ What keeps every job moving whatever the brokers, it does once:
 * **move** jobs left on a broker that no longer serves their queue
   (relay/rerouting.py), and keep the planner's statistics fresh;
 * **delete** job results kept past their ``result_ttl``, once a minute
-  (core/results.py);
+  (core/reads/results.py);
 * hold its **shard** leases (relay/shards.py), its registry row and its
   liveness lock, and take the database snapshot behind the state gauges.
 
@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING
 from duebox.brokers.base import Broker, PublishingBroker
 from duebox.credentials import redacted
 from duebox.db import PgWaker, parse_database_url
-from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError, DatabaseError
-from duebox.heartbeat import ProcessHeartbeat, ProcessRow
+from duebox.fairness.policy import DispatchPolicy
 from duebox.ids import process_token
-from duebox.logs import CollapsedLog
 from duebox.metrics import DBCollector, Metrics, process_metrics
+from duebox.observability.logs import CollapsedLog
 from duebox.planner_stats import PlannerStats
-from duebox.results import Pruning
+from duebox.processes.heartbeat import ProcessHeartbeat, ProcessRow
+from duebox.reads.results import Pruning
 from duebox.routes import Route, describe
 from duebox.timing import NEAR_WINDOW_SECONDS
 
@@ -132,7 +132,7 @@ class Relay:
         # PostgreSQL: the job table's planner statistics kept fresh through a
         # burst (core/planner_stats.py).
         self.planner_stats = PlannerStats(app.engine)
-        # Results kept past their result_ttl, deleted (core/results.py).
+        # Results kept past their result_ttl, deleted (core/reads/results.py).
         self.results = Pruning(app.engine)
         # Observability (docs/observability.md): event metrics, the periodic
         # database snapshot and this relay's registry row.

@@ -16,8 +16,9 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from duebox import heartbeat, reroute
+from duebox import reroute
 from duebox.db import db_errors
+from duebox.processes import heartbeat
 
 if TYPE_CHECKING:
     from duebox.app import Duebox

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import ColumnElement, and_
 
-from duebox import jobstore
-from duebox.dispatch_policy import DispatchPolicy
-from duebox.fair_claim import FairPicker
-from duebox.heartbeat import ProcessRow
+from duebox.fairness.claim import FairPicker
+from duebox.fairness.policy import DispatchPolicy
+from duebox.leases import jobstore
 from duebox.metrics import Metrics
+from duebox.processes.heartbeat import ProcessRow
 
 from .backpressure import Backpressure
 from .shards import ShardOwner

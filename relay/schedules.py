@@ -1,7 +1,7 @@
 """The relay's schedules step: turn due fire times into occurrence jobs.
 
 Every pass runs up to ``rounds`` bounded batches of
-:func:`duebox.occurrences.generate_due` (one short transaction each, ``FOR
+:func:`duebox.schedules.occurrences.generate_due` (one short transaction each, ``FOR
 UPDATE SKIP LOCKED`` so any number of relays share the work).  Occurrences
 are generated up to ``poll_interval + 1 s`` ahead of their fire time, so the
 normal claim hands them to the broker with the remaining delay and they run
@@ -9,7 +9,7 @@ on time; a backlog (``fire_all`` after an outage) is spread over passes and
 keeps the relay from sleeping until it is done.
 
 On its first pass a relay first syncs the schedules declared in code
-(:mod:`duebox.schedule_sync`), then logs what it found overdue: one-shot jobs past their
+(:mod:`duebox.schedules.sync`), then logs what it found overdue: one-shot jobs past their
 due time and schedules with missed fire times (the catch-up backlog).
 """
 
@@ -20,9 +20,9 @@ import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from duebox import occurrences
 from duebox.db import SQLITE_DEFERRED, db_errors
-from duebox.schedule_sync import sync_declared
+from duebox.schedules import occurrences
+from duebox.schedules.sync import sync_declared
 
 if TYPE_CHECKING:
     from duebox.app import Duebox

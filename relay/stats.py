@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from duebox.heartbeat import ProcessRow, prune
+from duebox.leases.records import JobRecord
 from duebox.metrics import DBCollector, Metrics, observe_many, seconds
-from duebox.records import JobRecord
+from duebox.processes.heartbeat import ProcessRow, prune
 
 if TYPE_CHECKING:
     from duebox.app import Duebox

@@ -29,8 +29,9 @@ import sqlalchemy as sa
 from sqlalchemy import Engine
 
 import duebox
-from duebox import Settings, jobstore
+from duebox import Settings
 from duebox.consumers import Worker
+from duebox.leases import jobstore
 from duebox.relay import Relay
 from duebox.tables import attempt, job
 

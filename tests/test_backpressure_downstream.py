@@ -10,7 +10,7 @@ from conftest import reset_tables
 from helpers import Running, make_app, memory_url
 
 import duebox
-from duebox.heartbeat import ProcessRow, beat
+from duebox.processes.heartbeat import ProcessRow, beat
 from duebox.relay import Relay
 from duebox.relay.scale import ScaleControls
 

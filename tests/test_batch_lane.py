@@ -1,4 +1,5 @@
-"""The batch lane (consumers/runner.py, consumers/batch.py, core/batch_sql.py): due deliveries of
+"""The batch lane (consumers/runner.py, consumers/batch.py,
+core/leases/batch_sql.py): due deliveries of
 groupable tasks locked, run and completed in one transaction, with no start
 transaction before it.
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 import duebox
 from duebox.brokers.base import Broker, BrokerContext
 from duebox.clock import SystemClock
-from duebox.recovery import EnqueuedRef
+from duebox.leases.recovery import EnqueuedRef
 from duebox.registry import broker_class
 
 NOW = datetime(2026, 3, 29, 12, tzinfo=UTC)

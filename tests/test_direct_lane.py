@@ -1,5 +1,5 @@
 """``sql://``: the batch lane locks due rows itself (consumers/runner.py
-``pull``, consumers/batch.py ``Kind.DUE``, core/batch_sql.py
+``pull``, consumers/batch.py ``Kind.DUE``, core/leases/batch_sql.py
 ``lock_due``): a job it runs goes SCHEDULED → SUCCEEDED in the transaction
 that runs it, with no claim written.
 

@@ -1,4 +1,4 @@
-"""Cron rules across daylight saving time (duebox.cron), checked against a
+"""Cron rules across daylight saving time (duebox.schedules.cron), checked against a
 brute-force reference that walks every UTC minute and knows nothing of
 croniter, fold round trips or bisection.
 
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from duebox import ValidationError
-from duebox.cron import Fire, Rule, parse_cron, resolve
+from duebox.schedules.cron import Fire, Rule, parse_cron, resolve
 
 ZONES = ["America/New_York", "Europe/Berlin", "Australia/Lord_Howe"]
 MINUTE = timedelta(minutes=1)

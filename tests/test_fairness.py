@@ -1,4 +1,4 @@
-"""Fair dispatch (core/fair_claim.py, core/dispatch_policy.py): weighted
+"""Fair dispatch (core/fairness/claim.py, core/fairness/policy.py): weighted
 shares, reserved capacity, aging and the bounded class walk, with an
 injected clock and a recording broker so every figure is exact.  Each flood
 test also runs the same load with fairness off and shows the starvation it
@@ -19,10 +19,10 @@ from test_catchup import _APPS, RecordingBroker, _dispose  # noqa: F401 - the fi
 import duebox
 from duebox import FakeClock, Settings
 from duebox.brokers.base import BrokerContext
-from duebox.claims import ClassKey, class_candidates
-from duebox.dispatch_policy import DispatchPolicy, effective_priority, plan
 from duebox.errors import ConfigurationError
-from duebox.fair_claim import classes
+from duebox.fairness.claim import classes
+from duebox.fairness.policy import DispatchPolicy, effective_priority, plan
+from duebox.leases.claims import ClassKey, class_candidates
 from duebox.relay import Relay
 from duebox.tables import job
 

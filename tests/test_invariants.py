@@ -35,10 +35,11 @@ from helpers import (
 )
 
 import duebox
-from duebox import FakeClock, JobState, claims, dispatch_marks, jobstore, recovery
+from duebox import FakeClock, JobState
 from duebox.brokers.base import Delivery
 from duebox.brokers.memory import MemoryBroker, reset_hubs
 from duebox.consumers import Worker
+from duebox.leases import claims, dispatch_marks, jobstore, recovery
 from duebox.tables import job, processed
 
 PATHS = {

@@ -16,7 +16,7 @@ from helpers import Running, all_final, make_app, memory_url, schedule_committed
 
 import duebox
 from duebox.cli.processes import child_command
-from duebox.logformat import JsonFormatter
+from duebox.observability.logformat import JsonFormatter
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The job state machine (duebox.jobstore): every transition is one
+"""The job state machine (duebox.leases.jobstore): every transition is one
 conditional statement, and a write that lost a race changes nothing.  Also:
 the Alembic migrations create exactly the tables in duebox.tables."""
 
@@ -16,7 +16,8 @@ from alembic.runtime.migration import MigrationContext
 from helpers import attempt_rows, job_row, make_app, observer
 
 import duebox
-from duebox import FakeClock, JobState, claims, dispatch_marks, jobstore, migrate, recovery
+from duebox import FakeClock, JobState, migrate
+from duebox.leases import claims, dispatch_marks, jobstore, recovery
 from duebox.tables import job
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)

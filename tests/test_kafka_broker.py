@@ -43,12 +43,13 @@ from helpers import (
 )
 
 import duebox
-from duebox import MissingDependencyError, jobstore
+from duebox import MissingDependencyError
 from duebox.brokers.base import BrokerContext, Outgoing
 from duebox.brokers.kafka import KafkaBroker
 from duebox.brokers.kafka_offsets import OffsetTracker
 from duebox.clock import SystemClock
 from duebox.errors import ConfigurationError, ValidationError
+from duebox.leases import jobstore
 from duebox.message import JobMessage
 from duebox.registry import broker_class
 

@@ -1,4 +1,4 @@
-"""The liveness lock (core/liveness.py) and the takeover (core/takeover.py)
+"""The liveness lock (core/processes/liveness.py) and the takeover (core/processes/takeover.py)
 on every database, the owner-prefix recovery's fencing, and Redis's hand-on
 of a dead consumer's pending entries.
 
@@ -23,17 +23,18 @@ from backends import Keys
 from helpers import attempt_rows, job_row, make_app
 
 import duebox
-from duebox import FakeClock, JobState, claims, jobstore, recovery
-from duebox.liveness import DeathWatch, SessionLock, free_names
+from duebox import FakeClock, JobState
+from duebox.leases import claims, jobstore, recovery
+from duebox.processes.liveness import DeathWatch, SessionLock, free_names
+from duebox.processes.takeover import Takeover
 from duebox.tables import lease
-from duebox.takeover import Takeover
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 HOLDER = """
 import sys, time
 from sqlalchemy import create_engine
-from duebox.liveness import SessionLock
+from duebox.processes.liveness import SessionLock
 lock = SessionLock(create_engine(sys.argv[1]), sys.argv[2])
 print("held" if lock.acquire() else "not held", flush=True)
 time.sleep(600)

@@ -1,4 +1,4 @@
-"""duebox.logs.CollapsedLog: one line per kind of event per interval, with a
+"""duebox.observability.logs.CollapsedLog: one line per kind of event per interval, with a
 count, and a traceback only the first time."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from duebox.logs import CollapsedLog, CollapsingFilter, kind_of
+from duebox.observability.logs import CollapsedLog, CollapsingFilter, kind_of
 
 
 class Clock:

@@ -11,8 +11,9 @@ import pytest
 from helpers import Running, attempt_rows, cancel_committed, job_row, make_app, schedule_committed
 
 import duebox
-from duebox import RetryPolicy, Transient, recovery
+from duebox import RetryPolicy, Transient
 from duebox.consumers.execution import Execution
+from duebox.leases import recovery
 
 
 async def test_heartbeat_keeps_a_job_longer_than_its_lease(database_url: str) -> None:

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 import duebox
 from duebox.cli.main import cli
-from duebox.dashboard.queries import parse_filter, search_jobs
+from duebox.reads.pages import parse_filter, search_jobs
 from duebox.tables import job
 
 # Two ids that share their first 12 hex digits and a third one just past

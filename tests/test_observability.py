@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from helpers import Running, make_app, memory_url, schedule_committed
 
 import duebox
-from duebox import heartbeat
 from duebox.cli.main import cli
 from duebox.metrics import DBCollector, Metrics, serve
+from duebox.processes import heartbeat
 from duebox.tables import job, lease
 
 N = 5

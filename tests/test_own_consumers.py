@@ -28,9 +28,9 @@ from duebox import (
 )
 from duebox.cli.main import cli
 from duebox.config import Settings
-from duebox.dispatch_marks import mark_and_claim, mark_enqueued
-from duebox.inspect_status import build_report
+from duebox.leases.dispatch_marks import mark_and_claim, mark_enqueued
 from duebox.message import JobMessage
+from duebox.reads.status import build_report
 from duebox.states import JobState
 from duebox.tables import job, processed
 

@@ -54,7 +54,7 @@ from helpers import check_no_early_start, effects
 from pg_pair import PgPair, available, silent_host
 
 import duebox
-from duebox.liveness import free_names
+from duebox.processes.liveness import free_names
 from duebox.tables import attempt
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]

@@ -27,10 +27,8 @@ from duebox import (
     JobState,
     JobStateError,
     ValidationError,
-    claims,
-    dispatch_marks,
-    jobstore,
 )
+from duebox.leases import claims, dispatch_marks, jobstore
 from duebox.tables import audit, job
 
 # Every kind of handle the producer accepts; the visibility and rollback

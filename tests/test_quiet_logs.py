@@ -17,8 +17,8 @@ from typing import Any
 from conftest import reset_tables
 
 import duebox
-from duebox.logformat import QUIET, JsonFormatter, configure
-from duebox.logs import job_fields, log_traced
+from duebox.observability.logformat import QUIET, JsonFormatter, configure
+from duebox.observability.logs import job_fields, log_traced
 
 
 def _lines_until(proc: subprocess.Popen[str], needle: str) -> list[str]:

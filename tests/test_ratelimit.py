@@ -1,4 +1,4 @@
-"""Shared dispatch rate limits and tenant quotas (core/rate_buckets.py): token
+"""Shared dispatch rate limits and tenant quotas (core/fairness/buckets.py): token
 buckets in the database, so several relay processes share one budget."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import reset_tables
 from scale_procs import RelayProcs, _relay_procs, poll  # noqa: F401 - the fixture
 
 import duebox
-from duebox.rate_buckets import Limit, bucket_wait, lock_buckets, spend_buckets
+from duebox.fairness.buckets import Limit, bucket_wait, lock_buckets, spend_buckets
 from duebox.tables import job
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)

@@ -5,7 +5,7 @@ paused and cut off.
   within 5 s (plus :data:`TOLERANCE` for a busy machine) of its due time or
   of the kill, whichever is later; nothing lost, doubled, early or run after
   its cancel (tests/recovery_scenario.py).  The leases are production's 30 s,
-  so only the liveness lock (core/liveness.py) can meet the bound.  On a
+  so only the liveness lock (core/processes/liveness.py) can meet the bound.  On a
   Redis Cluster the primary serving the queue is killed with them (kill -9)
   and its replica takes over: the bound then counts from the failover's end.
 * A worker paused (SIGSTOP) past its lease is *not* dead: its lock stays

@@ -43,12 +43,13 @@ from helpers import (
 )
 
 import duebox
-from duebox import MissingDependencyError, jobstore, recovery
+from duebox import MissingDependencyError
 from duebox.brokers import redis_mover
 from duebox.brokers.base import BrokerContext, Outgoing
 from duebox.clock import SystemClock
 from duebox.consumers import Worker
 from duebox.errors import ConfigurationError
+from duebox.leases import jobstore, recovery
 from duebox.message import JobMessage
 from duebox.registry import broker_class
 from duebox.relay import Relay
@@ -478,7 +479,7 @@ async def test_consumer_killed_mid_message(database_url: str, keys: Keys,
                                            tmp_path: Any) -> None:
     """SIGKILL a worker process while its handler runs: its pending entry is
     taken over — handed on by the relay once the worker is known dead
-    (core/liveness.py), or claimed by another consumer after ``claim_idle``
+    (core/processes/liveness.py), or claimed by another consumer after ``claim_idle``
     — and the job runs again, once in effect, as a lost attempt then a
     success."""
     settings = {"lease_seconds": 3.0, "clock_skew_margin": 0.3}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from duebox.records import JobRecord
+from duebox.leases.records import JobRecord
 from duebox.relay.held import HeldJobs
 from duebox.timing import HANDOVER_GATHER, HANDOVER_LEAD_SECONDS
 

@@ -22,10 +22,11 @@ import sqlalchemy as sa
 from helpers import make_app
 
 import duebox
-from duebox import FakeClock, claims
+from duebox import FakeClock
 from duebox.brokers.base import BrokerContext, Outgoing, PublishResult
 from duebox.brokers.memory import MemoryBroker
-from duebox.dispatch_marks import mark_and_claim
+from duebox.leases import claims
+from duebox.leases.dispatch_marks import mark_and_claim
 from duebox.message import STORED_MAX_DEPTH, JobMessage, UndecodableJSON
 from duebox.relay import Relay
 from duebox.tables import job

@@ -15,11 +15,12 @@ import sqlalchemy as sa
 from helpers import make_app, memory_url, wait_for
 
 import duebox
-from duebox import FakeClock, JobState, claims, jobstore, recovery
+from duebox import FakeClock, JobState
 from duebox.brokers.base import BrokerContext, Outgoing, PublishResult
 from duebox.brokers.memory import MemoryBroker
-from duebox.dispatch_marks import mark_and_claim
 from duebox.errors import BrokerError, DatabaseError
+from duebox.leases import claims, jobstore, recovery
+from duebox.leases.dispatch_marks import mark_and_claim
 from duebox.relay import Relay
 from duebox.tables import job
 

@@ -4,7 +4,7 @@ handler returns, with its completion; ``app.get_job`` / ``app.wait_for``
 return it; a result that is not JSON or too large is a permanent failure
 that rolls the handler's writes back; a relay deletes results past their
 ``result_ttl``; ``duebox jobs show`` shows it masked like the payload.
-What a result may be (pure): tests/unit/core/test_results.py; masking a
+What a result may be (pure): tests/unit/core/reads/test_results.py; masking a
 result: tests/unit/core/test_masking.py; the dashboard's job page:
 tests/dashboard/test_dashboard_results.py."""
 

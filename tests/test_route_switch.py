@@ -47,7 +47,7 @@ def _emails_task(app: duebox.Duebox) -> None:
 
 def _states(app: duebox.Duebox) -> dict[str, int]:
     with app.engine.connect() as conn:
-        return {str(k): v for k, v in duebox.jobstore.counts_by_state(conn).items()}
+        return {str(k): v for k, v in duebox.leases.jobstore.counts_by_state(conn).items()}
 
 
 def _routes_cli(db_url: str, routes: str) -> tuple[int, dict[str, Any]]:

@@ -19,13 +19,14 @@ from conftest import reset_tables
 from helpers import Running, check_no_early_start, job_row, make_app, schedule_committed
 
 import duebox
-from duebox import heartbeat, reroute
+from duebox import reroute
 from duebox.brokers.amqp import AMQPBroker
 from duebox.brokers.redis import RedisBroker
 from duebox.brokers.routed import RoutedBroker
 from duebox.brokers.sql import SQLBroker
 from duebox.config import Settings
 from duebox.errors import ConfigurationError
+from duebox.processes import heartbeat
 from duebox.relay import Relay
 from duebox.relay.shards import ShardConfig
 from duebox.routes import Routes

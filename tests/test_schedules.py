@@ -1,5 +1,5 @@
 """Recurring schedules on SQLite and PostgreSQL: the API (``app.schedules``),
-occurrence generation (``duebox.occurrences``) and the CLI
+occurrence generation (``duebox.schedules.occurrences``) and the CLI
 (``duebox schedules``), with an injected clock."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox import FakeClock, JobState, Settings, ValidationError, occurrences
+from duebox import FakeClock, JobState, Settings, ValidationError
 from duebox.cli.main import cli
-from duebox.schedules import DeleteResult, ScheduleInfo, ScheduleNotFoundError
+from duebox.schedules import occurrences
+from duebox.schedules.api import DeleteResult, ScheduleInfo, ScheduleNotFoundError
 from duebox.tables import audit, job, schedule
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)

@@ -20,8 +20,8 @@ from test_schedules import T0, clock_of, get, make_app
 import duebox
 from duebox import ValidationError
 from duebox.cli.main import cli
-from duebox.cron import parse_cron
-from duebox.schedule_put import PutResult
+from duebox.schedules.cron import parse_cron
+from duebox.schedules.put import PutResult
 from duebox.tables import audit, schedule
 
 

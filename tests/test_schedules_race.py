@@ -23,8 +23,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox import FakeClock, Settings, occurrences
-from duebox.schedules import ScheduleInfo
+from duebox import FakeClock, Settings
+from duebox.schedules import occurrences
+from duebox.schedules.api import ScheduleInfo
 from duebox.tables import job, schedule
 
 PROCESSES = 10

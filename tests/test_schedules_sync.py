@@ -1,5 +1,5 @@
 """Schedules as code, part 2 (issue #22 item 7): ``@app.task(schedule=...)``
-declarations and the relay's sync at start (:mod:`duebox.schedule_sync`):
+declarations and the relay's sync at start (:mod:`duebox.schedules.sync`):
 created, updated, left alone when unchanged, paused or deleted when they
 leave the code, hand-made schedules never touched; several relays syncing at
 once on the real PostgreSQL and MariaDB."""
@@ -17,9 +17,9 @@ from test_schedules import T0
 
 import duebox
 from duebox import ConfigurationError, FakeClock, Settings
-from duebox.periodic import Periodic
 from duebox.relay import Relay
-from duebox.schedule_sync import SyncReport, sync_declared
+from duebox.schedules.periodic import Periodic
+from duebox.schedules.sync import SyncReport, sync_declared
 from duebox.tables import audit, schedule
 
 

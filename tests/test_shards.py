@@ -19,9 +19,10 @@ from conftest import reset_tables
 from scale_procs import RelayProcs, _relay_procs, poll  # noqa: F401 - the fixture
 
 import duebox
-from duebox import FakeClock, JobState, claims, dispatch_marks, recovery
+from duebox import FakeClock, JobState
 from duebox.errors import ConfigurationError
-from duebox.heartbeat import beat
+from duebox.leases import claims, dispatch_marks, recovery
+from duebox.processes.heartbeat import beat
 from duebox.relay.shards import ShardConfig, ShardOwner
 from duebox.tables import SHARD_SLOTS, job, lease, shard_of
 
@@ -347,7 +348,7 @@ async def test_shard_metrics_and_a_fenced_hold_in_process(app: duebox.Duebox) ->
 
 def test_status_shows_shards_their_owners_and_each_relays_share(app: duebox.Duebox) -> None:
     from duebox.cli.status_view import render
-    from duebox.inspect_status import build_report
+    from duebox.reads.status import build_report
 
     a = ShardOwner(ShardConfig(2, ttl=10), "relay:A", margin=0.5)
     with app.engine.begin() as conn:

@@ -1,5 +1,5 @@
 """The dispatch policy on ``sql://``, where workers claim rows themselves
-(brokers/sql.py → core/fair_claim.py): priority with aging, weighted fair
+(brokers/sql.py → core/fairness/claim.py): priority with aging, weighted fair
 shares, tenant quotas and rate limits shared across worker processes, the
 configuration that reaches both relay and worker, and the error for what
 cannot apply.  Each behaviour is also run with the policy off, showing what
@@ -24,9 +24,9 @@ from test_processes import Procs, poll
 import duebox
 from duebox import FakeClock, Settings
 from duebox.brokers.sql import SQLBroker
-from duebox.dispatch_policy import DispatchPolicy
 from duebox.errors import ConfigurationError
-from duebox.rate_buckets import Limit, lock_buckets, spend_buckets
+from duebox.fairness.buckets import Limit, lock_buckets, spend_buckets
+from duebox.fairness.policy import DispatchPolicy
 from duebox.relay import Relay
 from duebox.relay.shards import ShardConfig
 from duebox.tables import attempt, job, rate_bucket

@@ -1,4 +1,4 @@
-"""One start condition (duebox.claims.startable) on every path that starts a
+"""One start condition (duebox.leases.claims.startable) on every path that starts a
 delivered job: the worker's usual start (jobstore.start_many), the batch
 lane's lock (batch_sql.lock_startable), your own consumer's completion
 (own_queues.complete_steps), and the reason a start gives for a row it did
@@ -21,12 +21,12 @@ import sqlalchemy as sa
 from helpers import make_app
 
 import duebox
-from duebox import batch_sql, jobstore
+from duebox.leases import batch_sql, jobstore
+from duebox.leases.own_queues import Completion, complete_steps
+from duebox.leases.records import ROW_COLUMNS
+from duebox.leases.records import records as read_records
 from duebox.message import JobMessage, MessageRef
-from duebox.own_queues import Completion, complete_steps
 from duebox.producer import drive_sync
-from duebox.records import ROW_COLUMNS
-from duebox.records import records as read_records
 from duebox.states import Discard, JobState
 from duebox.tables import job
 

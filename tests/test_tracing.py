@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (issue #22 item 9, duebox.tracing): a schedule span
+"""OpenTelemetry tracing (issue #22 item 9, duebox.observability.tracing): a schedule span
 whose context the job stores in its headers, the relay's publish span and
 one process span per attempt linked to it, on a real relay and worker with
 the SDK's in-memory exporter (in a process of their own: a tracer provider

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 import duebox
 from duebox import ValidationError
-from duebox.cron import Rule, load_zone, parse_cron
+from duebox.schedules.cron import Rule, load_zone, parse_cron
 
 from .common import SQLITE_ONLY, nothing_written
 

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 import duebox
 from duebox import ConfigurationError, ValidationError
 from duebox.message import JobMessage
-from duebox.schedules import ScheduleInfo
+from duebox.schedules.api import ScheduleInfo
 from duebox.validation import MAX_DEPTH
 
 from .common import nothing_written

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 import duebox
 from duebox import Permanent, RetryPolicy
-from duebox.heartbeat import beat
+from duebox.processes.heartbeat import beat
 from duebox.tables import lease
 
 SECRET = "4111-1111-1111-1111"

@@ -13,8 +13,9 @@ from conftest import reset_tables
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox import FakeClock, occurrences
-from duebox.dashboard.queries import due_ahead, fires_ahead
+from duebox import FakeClock
+from duebox.reads.pages import due_ahead, fires_ahead
+from duebox.schedules import occurrences
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 

@@ -13,7 +13,7 @@ from helpers import make_app, schedule_committed
 from sqlalchemy import update
 
 from duebox import ValidationError
-from duebox.dashboard.queries import (
+from duebox.reads.pages import (
     Cursor,
     JobFilter,
     due_ahead,

@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 import duebox
-from duebox.inspect import JobView, locator
-from duebox.inspect import where_now as where_in
+from duebox.reads.jobs import JobView, locator
+from duebox.reads.jobs import where_now as where_in
 
 NOW = datetime(2026, 3, 29, 12, tzinfo=UTC)
 _BASE = JobView(id=uuid.uuid4(), task="t", queue="orders", state="ENQUEUED", version=1,

@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 import duebox
-from duebox.schedule_put import PutResult
-from duebox.schedules import DeleteResult, ScheduleInfo
+from duebox.schedules.api import DeleteResult, ScheduleInfo
+from duebox.schedules.put import PutResult
 
 app = duebox.Duebox(database_url="postgresql+psycopg://localhost/shop", broker_url="sql://")
 

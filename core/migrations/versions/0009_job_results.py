@@ -4,7 +4,7 @@ Revision ID: 0009
 Revises: 0008
 A new table, ``duebox_result``: what the handler of a task with
 ``store_result=True`` returned, as JSON text, one row per succeeded job,
-written in the transaction of the job's completion (duebox.results).  Each
+written in the transaction of the job's completion (duebox.reads.results).  Each
 row expires ``result_ttl`` seconds after the job finished; relays delete
 expired rows by ``ix_duebox_result_expires``.  Existing tables are not
 touched.

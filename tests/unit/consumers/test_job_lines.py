@@ -12,8 +12,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from duebox.consumers.job_lines import JobLines
-from duebox.logformat import JsonFormatter
-from duebox.records import JobRecord
+from duebox.leases.records import JobRecord
+from duebox.observability.logformat import JsonFormatter
 
 DUE = datetime(2030, 1, 1, 9, tzinfo=UTC)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from duebox import ConfigurationError, Settings
-from duebox.dispatch_policy import DispatchPolicy
+from duebox.fairness.policy import DispatchPolicy
 
 
 def test_each_variable_arrives_as_its_settings_type() -> None:

@@ -137,7 +137,7 @@ def test_payloads_without_keys_pass_through(payload: Any) -> None:
 
 
 def test_a_result_is_masked_like_the_payload() -> None:
-    """A job's result (duebox.results) as people see it: secret keys'
+    """A job's result (duebox.reads.results) as people see it: secret keys'
     values masked, what the payload's hook hid cut out of its strings, and
     nothing of it where the payload is hidden; the value itself untouched."""
     payload = {"card": "4111-1111-1111-1111", "user": "bob"}
