@@ -9,10 +9,10 @@ import every floor, and nothing in the package imports it but the package's
 own face.
 """
 
-from duebox.cli.background import Background
-from duebox.consumers.dedupe import DUPLICATE, RedisDedupeStore, SQLDedupeStore, dedupe
-from duebox.consumers.worker import Worker
-from duebox.relay.relay import Relay
+from .cli.background import Background
+from .consumers.dedupe import DUPLICATE, RedisDedupeStore, SQLDedupeStore, dedupe
+from .consumers.worker import Worker
+from .relay.relay import Relay
 
 __all__ = ["DUPLICATE", "Background", "RedisDedupeStore", "Relay", "SQLDedupeStore", "Worker",
            "dedupe"]

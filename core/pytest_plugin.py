@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from duebox.app import Duebox
-    from duebox.testing import Harness
+    from .app import Duebox
+    from .testing import Harness
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def duebox_harness(duebox_app: Duebox, tmp_path: Path) -> Iterator[Harness]:
     """``duebox_app`` on a SQLite file in this test's ``tmp_path``, a
     ``memory://`` broker and a FakeClock, put back after the test;
     ``.run_due(until=...)`` runs its jobs (docs/testing.md)."""
-    from duebox.testing import Harness
+    from .testing import Harness
 
     with Harness(duebox_app, database_url=f"sqlite:///{tmp_path / 'duebox.db'}") as harness:
         yield harness

@@ -49,18 +49,18 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import func, select
 
-from duebox import migrate
-from duebox.app import Duebox
-from duebox.brokers.memory import MemoryBroker
-from duebox.clock import Clock, FakeClock
-from duebox.config import Settings
-from duebox.consumers import Worker
-from duebox.errors import ConfigurationError, ValidationError
-from duebox.reads.jobs import JobInfo
-from duebox.relay import Relay
-from duebox.schedules import occurrences
-from duebox.states import JobState
-from duebox.tables import job
+from . import migrate
+from .app import Duebox
+from .brokers.memory import MemoryBroker
+from .clock import Clock, FakeClock
+from .config import Settings
+from .consumers import Worker
+from .errors import ConfigurationError, ValidationError
+from .reads.jobs import JobInfo
+from .relay import Relay
+from .schedules import occurrences
+from .states import JobState
+from .tables import job
 
 __all__ = ["Harness", "arun_due", "run_due"]
 
