@@ -381,7 +381,18 @@ class KafkaBroker(PublishingBroker):
         return self._probe
 
     async def data_lost(self) -> bool:
-        return await self.losses.data_lost()
+        first = self.losses.first_check
+        lost = await self.losses.data_lost()
+        if lost and not first:
+            # The cluster lost what it held (restarted empty, the topic
+            # deleted): the producer's metadata describes topics that may no
+            # longer exist.  A server that acknowledges a produce to a topic
+            # it does not have (tansu's memory engine does) would swallow
+            # every message sent with it; a fresh producer looks the topics
+            # up, and creates them, before the next send.
+            await self._reset_producer()
+            self.losses.suspect_before(time.time())
+        return lost
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         return await self.losses.missing(jobs)
