@@ -103,6 +103,10 @@ async def _stop_quietly(client: Any) -> None:
         log.debug("aiokafka client stop failed: %r", exc)
 
 
+# After a loss, how long until the relay looks again for what a publish on
+# the old producer had under way (acknowledged, then marked, after the reset).
+_LOOK_AGAIN = 2.0
+
 class _ProducerIdRefused(Exception):
     """The broker answered an idempotent producer's InitProducerId with an
     error: it is reachable but gives this client no producer id."""
@@ -154,6 +158,7 @@ class KafkaBroker(PublishingBroker):
         self._topics: set[str] = set()
         self._probe: Any = None
         self.losses = LossWatch(self.settings, self._where(), self._probe_consumer)
+        self._look_again: float | None = None  # when to look once more after a loss
         self._topic_names: dict[str, str] = {}
         self._freed = asyncio.Event()
         self._in_flight = 0
@@ -392,6 +397,17 @@ class KafkaBroker(PublishingBroker):
             # up, and creates them, before the next send.
             await self._reset_producer()
             self.losses.suspect_before(time.time())
+            self._look_again = time.monotonic() + _LOOK_AGAIN
+            return True
+        if self._look_again is not None and time.monotonic() >= self._look_again:
+            # A publish under way on the old producer while it was reset can
+            # be acknowledged into nowhere and marked published after the
+            # first look: once its mark has landed, look again.  What the
+            # new producer sent in between goes out twice; the worker drops
+            # the copy.
+            self._look_again = None
+            self.losses.suspect_before(time.time())
+            return True
         return lost
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
