@@ -54,7 +54,10 @@ class LossWatch:
         self.where = where
         self._probe = probe
         self.produced: dict[Any, int] = {}  # partition -> highest offset produced + 1
-        self._first_check = True
+        self.first_check = True
+        # Epoch seconds: after a loss, every message published before it is
+        # suspect (missing()), whatever the topic seems to hold.
+        self._suspect_before = -float("inf")
         self._last_check = time.monotonic()
         self._oldest: dict[str, tuple[float, float]] = {}  # topic -> (checked at, oldest ts)
         # The probe is assigned and seeked by one look at a time.
@@ -65,8 +68,8 @@ class LossWatch:
         checks), then when a partition's end offset fell below what this
         process produced to it (the topic was deleted or wiped); looked at
         every ``check_interval`` seconds."""
-        if self._first_check:
-            self._first_check = False
+        if self.first_check:
+            self.first_check = False
             return True
         if not self.produced or time.monotonic() - self._last_check < \
                 self.settings.check_interval:
@@ -125,15 +128,27 @@ class LossWatch:
                 log.debug("%s: could not fetch %s (%s)", self.where, dict(wanted), exc)
         return reached
 
+    def suspect_before(self, at: float) -> None:
+        """A loss was noticed at ``at`` (epoch seconds) and the producer
+        started over: what was published before it may be gone even where
+        the topic holds newer messages, or cannot be read (tansu, restarted
+        empty, acknowledged sends to a topic it no longer had and serves
+        none of them).  Publishing such a job again costs a duplicate
+        message, which the worker drops; keeping it costs the job."""
+        self._suspect_before = max(self._suspect_before, at)
+
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         """Jobs published before the oldest message their topic still holds
-        (all of them when it holds none): deleted, wiped or expired unread."""
+        (all of them when it holds none): deleted, wiped or expired unread;
+        and after a loss, every job published before it was noticed
+        (:meth:`suspect_before`)."""
         gone: list[uuid.UUID] = []
         by_queue: dict[str, list[EnqueuedRef]] = {}
         for ref in jobs:
             by_queue.setdefault(ref.queue, []).append(ref)
         for queue, refs in by_queue.items():
-            oldest = await self._oldest_timestamp(self.settings.topic(queue))
+            oldest = max(await self._oldest_timestamp(self.settings.topic(queue)),
+                         self._suspect_before)
             for ref in refs:
                 if ref.published_at is None or ref.published_at.timestamp() < oldest:
                     gone.append(ref.id)

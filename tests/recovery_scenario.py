@@ -345,12 +345,7 @@ def run(database_url: str, broker_url: str, backend: str, tmp: Path, *, jobs: in
         held = _leased_to(app.engine, [names["w1"], names["r1"]])
         failover = at_kill() if at_kill is not None else 0.0
         wanted = [i for i in ids if i not in cancelled]
-        notes: list[str] = []
-        try:
-            poll("every job to finish", lambda: _unfinished(app.engine, wanted) == 0,
-                 timeout=wait, check=fleet.check, interval=0.2)
-        except TimeoutError as exc:
-            notes.append(str(exc))
+        notes = wait_finished(app.engine, wanted, wait, fleet)
         out = _measure(app.engine, backend, ids, wanted, cancelled, held, kill_at,
                        fleet.external, notes)
         out.failover = failover
@@ -358,6 +353,18 @@ def run(database_url: str, broker_url: str, backend: str, tmp: Path, *, jobs: in
     finally:
         fleet.stop_all()
         app.dispose()
+
+
+def wait_finished(engine: sa.Engine, ids: list[uuid.UUID], wait: float,
+                  fleet: Procs) -> list[str]:
+    """Wait up to ``wait`` seconds for every job of ``ids`` to succeed;
+    the timeout, if it came, as the outcome's notes."""
+    try:
+        poll("every job to finish", lambda: _unfinished(engine, ids) == 0,
+             timeout=wait, check=fleet.check, interval=0.2)
+    except TimeoutError as exc:
+        return [str(exc)]
+    return []
 
 
 def _workers_ran(engine: sa.Engine, workers: list[str]) -> bool:

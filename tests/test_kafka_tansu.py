@@ -15,9 +15,13 @@ tansu at all.
   group without committing (each join held for seconds by tansu's
   coordinator, the batch read again) and the relay republish.
 
-The crash-recovery scenario runs on tansu in
-tests/test_recovery.py; the contract suite and tests/test_kafka_broker.py
-run on it with scripts/kafka-on-tansu (DUEBOX_TEST_KAFKA_SERVER=tansu).
+* The server itself SIGKILLed mid-run and started again, empty: the
+  relay publishes the lost jobs again from the outbox (the last test).
+
+The crash-recovery scenario (a relay and a worker SIGKILLed) runs on tansu
+in tests/test_recovery.py, in the default suite too; the contract suite and
+tests/test_kafka_broker.py run on it with scripts/kafka-on-tansu
+(DUEBOX_TEST_KAFKA_SERVER=tansu).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import sqlalchemy as sa
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from backends import KafkaNames, tansu
+from conftest import reset_tables
 
 import duebox
 from duebox.brokers.base import BrokerContext, Outgoing
@@ -144,3 +149,28 @@ def test_tansu_stops_with_its_context(tmp_path: Path) -> None:
         port = int(bootstrap.rsplit(":", 1)[1])
         assert server.listening(port)
     assert not server.listening(port)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_the_server_killed_and_started_empty_loses_no_job(pg_server_url: str,
+                                                          tmp_path: Path) -> None:
+    """tansu SIGKILLed while eight slow jobs run and fast ones wait in the
+    topic behind them, more falling due while it is down, then started
+    again, empty, at the same address (tests/kafka_server_kill.py): every
+    message it had acknowledged is gone.  The relay notices its partitions
+    fell short, starts its producer over and publishes again, from the
+    outbox, every enqueued job published before it noticed; none runs
+    early, none twice in effect.  A publish under way on the old producer
+    while it was reset is acknowledged into nowhere and marked after the
+    first look: the relay looks once more (a run before that left one job
+    ENQUEUED for good)."""
+    from kafka_server_kill import run
+
+    reset_tables(pg_server_url)
+    out = run(pg_server_url, tmp_path / "run")
+    summary = out.line() + "".join(f"\n{n}" for n in out.notes)
+    assert out.published_before_kill > 0, summary  # the kill found jobs in the broker
+    assert out.reconciled >= 1, summary  # republished from the outbox, not by luck
+    assert (out.double_effects, out.early) == (0, 0), summary
+    assert out.succeeded == out.jobs, summary  # nothing lost
