@@ -167,6 +167,15 @@ class Loop:
         self.check()
         assert self.stopped, "the loop did not end on the stop message"
 
+    def end(self, send_stop: Callable[[], None]) -> None:
+        """Stop a loop still running: a failed run's loop would go on reading
+        and log its refusals into the next test's collector (a rehearsal saw
+        13 for 9)."""
+        if self.thread.is_alive():
+            with contextlib.suppress(Exception):
+                send_stop()
+            self.thread.join(30)
+
 
 class Scenario:
     """Real jobs, the forgeries, a cancel and a reschedule after delivery,
@@ -280,17 +289,25 @@ async def test_the_pika_loop(amqp_app: tuple[duebox.Duebox, str], amqp_vhost: st
     assert name == f"{prefix}.q.{QUEUE}"
     scenario = Scenario(app, ahead=True)
     forged = scenario.forgeries()
-    with refusals() as refused:
-        loop = Loop("pika (RabbitMQ)", namespace(app, amqp_url=amqp_vhost),
-                    lambda ns: ns["connection"].close())
-        await asyncio.to_thread(_pika_publish, amqp_vhost, name,
-                                [(f.headers, f.body or b"") for f in forged])
-        # near_window: the relay hands jobs due in seconds to RabbitMQ's
-        # delay queues at once (DELIVERED ahead) instead of holding them.
-        await scenario.run(loop.check, relay_kw={"near_window": 0.5})
-        stop = stop_message()
-        await loop.stopped_by(lambda: _pika_publish(amqp_vhost, name,
-                                                    [(stop.header_map(), stop.encode())]))
+    stop = stop_message()
+
+    def send_stop() -> None:
+        _pika_publish(amqp_vhost, name, [(stop.header_map(), stop.encode())])
+
+    loop: Loop | None = None
+    try:
+        with refusals() as refused:
+            loop = Loop("pika (RabbitMQ)", namespace(app, amqp_url=amqp_vhost),
+                        lambda ns: ns["connection"].close())
+            await asyncio.to_thread(_pika_publish, amqp_vhost, name,
+                                    [(f.headers, f.body or b"") for f in forged])
+            # near_window: the relay hands jobs due in seconds to RabbitMQ's
+            # delay queues at once (DELIVERED ahead) instead of holding them.
+            await scenario.run(loop.check, relay_kw={"near_window": 0.5})
+            await loop.stopped_by(send_stop)
+    finally:
+        if loop is not None:
+            loop.end(send_stop)
     scenario.check_end(refused, forged)
     # Rejected into the dead-letter queue, as duebox's worker rejects them;
     # only the stop message (never acked) is back in the queue.
@@ -304,6 +321,7 @@ async def test_the_pika_loop(amqp_app: tuple[duebox.Duebox, str], amqp_vhost: st
 async def test_the_boto3_loop(database_url: str, sqs_endpoint: str) -> None:
     queues = Queues(sqs_endpoint)
     app = _app(database_url, queues.url())
+    loop: Loop | None = None
     try:
         name = (await app.adeclare_broker([QUEUE]))[QUEUE]
         assert name == queues.prefix + QUEUE
@@ -317,16 +335,22 @@ async def test_the_boto3_loop(database_url: str, sqs_endpoint: str) -> None:
                 client.send_message(QueueUrl=url, MessageBody=body.decode(),
                                     MessageAttributes=attrs)
 
+        stop = stop_message()
+
+        def send_stop() -> None:
+            send([(stop.header_map(), stop.encode())])
+
         scenario = Scenario(app, ahead=True)
         forged = scenario.forgeries(nul_header=False)
         with refusals() as refused:
             loop = Loop("boto3 (SQS)", namespace(app, sqs=client), lambda ns: None)
             await asyncio.to_thread(send, [(f.headers, f.body or b"") for f in forged])
             await scenario.run(loop.check)
-            stop = stop_message()
-            await loop.stopped_by(lambda: send([(stop.header_map(), stop.encode())]))
+            await loop.stopped_by(send_stop)
         scenario.check_end(refused, forged)
     finally:
+        if loop is not None:
+            loop.end(send_stop)
         app.dispose()
         queues.delete_all()
 
@@ -416,28 +440,26 @@ async def test_the_redis_py_loop(database_url: str, redis_keys: Any) -> None:
 
     scenario = Scenario(app, ahead=True)
     forged = [*scenario.forgeries(headers=False), Forged(None, None, True)]
+    stop = stop_message()
+
+    def send_stop() -> None:
+        send([{"id": str(stop.job_id), "v": 1, "body": stop.encode()}])
+
     loop: Loop | None = None
     try:
         with refusals() as refused:
             loop = Loop("redis-py", namespace(app, r=client), lambda ns: None)
             await asyncio.to_thread(send, [fields(scenario.now[0], f) for f in forged])
             await scenario.run(loop.check)
-            stop = stop_message()
-            await loop.stopped_by(lambda: send([{"id": str(stop.job_id), "v": 1,
-                                                 "body": stop.encode()}]))
+            await loop.stopped_by(send_stop)
         scenario.check_end(refused, forged)
         # Acked and deleted, all but the stop message; the parked jobs moved.
         assert client.xlen(stream) == 1
         assert redis_keys.pending(QUEUE) == 1
         assert redis_keys.parked(QUEUE) == 0
     finally:
-        if loop is not None and loop.thread.is_alive():
-            # A failed run's loop would go on reading, and log its refusals
-            # into the next test's collector (a rehearsal saw 13 for 9).
-            stop = stop_message()
-            with contextlib.suppress(Exception):
-                send([{"id": str(stop.job_id), "v": 1, "body": stop.encode()}])
-            loop.thread.join(30)
+        if loop is not None:
+            loop.end(send_stop)
         client.close()
         app.dispose()
 
