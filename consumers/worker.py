@@ -40,7 +40,7 @@ from duebox.clock import Clock, follows_real_time
 from duebox.credentials import redacted
 from duebox.db import db_errors
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError, ValidationError
-from duebox.failures import FailureClass, Verdict
+from duebox.failures import FailureClass, SystemFailure, Verdict
 from duebox.heartbeat import ProcessHeartbeat
 from duebox.ids import process_token
 from duebox.logs import CollapsedLog, kind_of
@@ -98,6 +98,9 @@ class WorkerStats:
     throttled: int = 0  # failures classed as throttled (the relay slows down on them)
     # Jobs given to other workers: every thread here ran a long handler.
     handed_back: int = 0
+    # Jobs whose own transaction a lost connection cut (a failover): settled
+    # once a server answered, to run again at once (consumers/settling.py).
+    interrupted: int = 0
     discarded: Counter[str] = field(default_factory=Counter)
 
 
@@ -566,6 +569,8 @@ class Worker:
             st.duplicates += 1
         elif outcome.status is RunStatus.LEASE_LOST:
             st.lease_lost += 1
+        elif outcome.status is RunStatus.INTERRUPTED:
+            st.interrupted += 1
         else:
             st.failed += 1
             st.throttled += outcome.failure_class == FailureClass.THROTTLED
@@ -581,6 +586,7 @@ class Worker:
                 "concurrency": self.concurrency, "received": st.received,
                 "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
                 "throttled": st.throttled, "lease_lost": st.lease_lost,
+                "interrupted": st.interrupted,
                 "laned": st.laned, **self._lane_info(), **self.broker.registry_info()}
 
     def _lane_info(self) -> dict[str, Any]:
@@ -626,7 +632,9 @@ class Worker:
         elif outcome.status is RunStatus.LEASE_LOST:
             m.lease_lost.labels(b, q).inc()
         else:
-            cls = str(outcome.failure_class or "unknown")
+            # No failure class: the attempt was lost, not failed by its handler.
+            cls = str(outcome.failure_class or (SystemFailure.LOST if outcome.status in (
+                RunStatus.INTERRUPTED, RunStatus.DEAD) else "unknown"))
             m.failed.labels(b, q, cls).inc()
             if outcome.status is RunStatus.RETRIED:
                 m.retried.labels(b, q).inc()
