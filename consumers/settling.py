@@ -11,7 +11,9 @@ Without trying again the job would keep its lease, and run again only once
 that ran out — a lease late (30 s by default).
 
 So the worker tries the write again, with a short backoff, for as long as
-the job's lease holds (:func:`until_written`).  Every such write is fenced
+the job's lease holds (:func:`until_written`) — and a delivery's start for
+as long as it would otherwise have handed the delivery back to its broker
+(:func:`until_answered`).  Every such write is fenced
 by the lease (core/jobstore.py): a late one, or one for a job whose commit
 had gone through after all, matches no row and changes nothing.  Once the
 lease is over the job is recovery's, as before.
@@ -19,9 +21,10 @@ lease is over the job is recovery's, as before.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from duebox.errors import DatabaseError
@@ -62,4 +65,22 @@ def until_written(write: Callable[[], T], held_until: Callable[[], float]) -> T:
             wait = min(MOST_WAIT, wait * 2)
 
 
-__all__ = ["FIRST_WAIT", "MOST_WAIT", "unreachable", "until_written"]
+async def until_answered(call: Callable[[], Awaitable[T]], within: float) -> T:
+    """``await call()``, tried again while it fails because the database is
+    out of reach, for at most ``within`` seconds: a delivery's start, which
+    the worker otherwise hands back to its broker for a while (a failover
+    would then cost each delivery in hand that while, not the outage)."""
+    wait = FIRST_WAIT
+    give_up = time.monotonic() + within
+    while True:
+        try:
+            return await call()
+        except DatabaseError as exc:
+            left = give_up - time.monotonic()
+            if left <= 0 or not unreachable(exc):
+                raise
+            await asyncio.sleep(min(left, wait * random.uniform(0.8, 1.0)))
+            wait = min(MOST_WAIT, wait * 2)
+
+
+__all__ = ["FIRST_WAIT", "MOST_WAIT", "unreachable", "until_answered", "until_written"]

@@ -56,6 +56,7 @@ from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .job_lines import JobLines
 from .runner import Runner, Settled
+from .settling import until_answered
 from .starts import Starts
 from .turns import Turn, Turns
 
@@ -374,7 +375,11 @@ class Worker:
             # ahead, to cover the hand-over) is started now, version-checked
             # and leased, and its handler held below: the round trip is done
             # by the due time instead of after it.
-            rec, reason = await self.starts.start(msg, max(0.0, ahead))
+            # A failover (a batch of the lane lost with it, or the start
+            # itself cut): started once a server takes writes again, not
+            # handed back to the broker for _RETRY_DELIVERY_SECONDS.
+            rec, reason = await until_answered(
+                lambda: self.starts.start(msg, max(0.0, ahead)), _RETRY_DELIVERY_SECONDS)
             if rec is None:
                 if reason is Discard.NOT_DUE:
                     checked = await self._early(delivery, msg)
