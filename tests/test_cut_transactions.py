@@ -24,7 +24,7 @@ import duebox
 from duebox import FakeClock, JobState, claims, jobstore
 from duebox.consumers.dedupe import SQLDedupeStore
 from duebox.consumers.execution import Execution, RunStatus, record_cut
-from duebox.consumers.settling import until_written
+from duebox.consumers.settling import until_answered, until_written
 from duebox.errors import DatabaseError
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -188,3 +188,24 @@ def test_a_write_is_not_tried_again_once_the_lease_is_over_or_for_another_error(
     with pytest.raises(DatabaseError):
         until_written(denied, lambda: float("inf"))
     assert tries == ["unreachable", "denied"]
+
+
+async def test_a_start_that_found_no_server_is_tried_again_for_a_while_only() -> None:
+    tries: list[int] = []
+
+    async def start() -> str:
+        tries.append(1)
+        if len(tries) < 3:
+            raise _unreachable()
+        return "started"
+
+    assert await until_answered(start, within=5.0) == "started"
+    assert len(tries) == 3
+
+    async def never() -> str:
+        tries.append(1)
+        raise _unreachable()
+
+    with pytest.raises(DatabaseError):
+        await until_answered(never, within=0.0)
+    assert len(tries) == 4

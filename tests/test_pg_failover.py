@@ -131,13 +131,19 @@ def broker_url(kind: str, request: pytest.FixtureRequest) -> str:
     return keys.url()
 
 
+def synchronous_pair(kind: str, pairs: Callable[[bool], PgPair], request: pytest.FixtureRequest
+                     ) -> tuple[PgPair, str, duebox.Duebox]:
+    """A synchronous pair, the broker of ``kind`` and the tests' app on them."""
+    pair = pairs(True)
+    broker = broker_url(kind, request)
+    return pair, broker, prepare(pair, broker)
+
+
 @pytest.mark.parametrize("kind", ["sql", "redis"])
 def test_synchronous_failover_loses_nothing_and_the_same_processes_carry_on(
     kind: str, pairs: Callable[[bool], PgPair], procs: Procs, request: pytest.FixtureRequest
 ) -> None:
-    pair = pairs(True)
-    broker = broker_url(kind, request)
-    app = prepare(pair, broker)
+    pair, broker, app = synchronous_pair(kind, pairs, request)
     try:
         # The processes get libpq's host list; the test's own engine
         # SQLAlchemy's query form: both must reach the new primary.
@@ -184,9 +190,7 @@ HELD_LEASE = 20.0
 def test_jobs_whose_transaction_the_failover_cut_run_again_at_once_not_a_lease_later(
     kind: str, pairs: Callable[[bool], PgPair], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    pair = pairs(True)
-    broker = broker_url(kind, request)
-    app = prepare(pair, broker)
+    pair, broker, app = synchronous_pair(kind, pairs, request)
     marks = tmp_path / "marks"
     marks.mkdir()
     procs = Procs(tmp_path, LAUNCHER, env={**os.environ, "DUEBOX_TEST_LEASE": f"{HELD_LEASE:g}"})
