@@ -143,6 +143,27 @@ def test_a_handler_whose_own_connection_dies_is_cut(pg_server_url: str) -> None:
         app.dispose()
 
 
+@pytest.mark.postgres
+async def test_an_async_handler_whose_own_connection_dies_is_cut(pg_server_url: str) -> None:
+    from conftest import reset_tables
+
+    reset_tables(pg_server_url)
+    app = make_app(pg_server_url, clock=FakeClock(T0))
+    try:
+        @app.task("killed_async")
+        async def killed_async(payload: Any, ctx: duebox.JobContext) -> None:
+            await ctx.session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
+
+        rec = running(app, "killed_async")
+        execution = Execution(app, app.get_task(rec.task), rec, "w", SQLDedupeStore())
+        assert (await execution.run()).status is RunStatus.INTERRUPTED
+        assert job_row(app.engine, rec.id).state == JobState.SCHEDULED
+        [a] = attempt_rows(app.engine, rec.id)
+        assert a.outcome == "lost"
+    finally:
+        await app.adispose()
+
+
 # --- trying again while no server answers ---------------------------------------------
 
 
