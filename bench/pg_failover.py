@@ -26,6 +26,10 @@ Per run it prints:
 * ``ran, then vanished``: jobs the old primary had run that the new one has
   no trace of (scheduled and run within the lag);
 * ``taken for dead``: the relay's takeovers (a live worker found dead);
+* ``cut``: attempts the failover cut (closed ``lost`` on the new primary),
+  settled by their worker once the new primary took writes (their error
+  says "the job's transaction was cut") or by recovery once their lease
+  ran out;
 * the invariant checks: nothing early, no effect committed twice in the
   surviving history.
 
@@ -110,6 +114,11 @@ def one_run(sync: bool, broker_kind: str, seed: int, args: argparse.Namespace,
                 attempt.c.error.contains("duplicate key"))).scalar_one()
             early = conn.execute(sa.select(sa.func.count()).select_from(effects).where(
                 effects.c.started_us < effects.c.due_us)).scalar_one()
+            # Attempts the failover cut: settled by their worker once the new
+            # primary took writes (it says so in the attempt's error), or
+            # by recovery once their lease ran out (no error).
+            lost = list(conn.execute(sa.select(attempt.c.error).where(
+                attempt.c.outcome == "lost")).scalars())
         old = sa.create_engine(pair.reopen_old_primary(free_port()))
         try:
             old_runs = effect_runs(old)
@@ -128,6 +137,9 @@ def one_run(sync: bool, broker_kind: str, seed: int, args: argparse.Namespace,
             "lost": len(acked) - len(kept), "unsure": len(producer.unsure), "reran": reran,
             "vanished": vanished,
             "taken_for_dead": taken, "early": int(early), "doubled": int(doubled),
+            "cut_settled": sum(1 for e in lost if (e or "").startswith("the job's transaction")),
+            "cut_recovered": sum(1 for e in lost
+                                 if not (e or "").startswith("the job's transaction")),
         }
     finally:
         procs.stop_all()
@@ -162,8 +174,8 @@ def main() -> int:
         return 2
     print("| mode | broker | run | promote s | outage s | lateness in window p50 / p99 / max ms "
           "| before ms p50 / p99 | acked | lost | unsure | reran | ran, then vanished "
-          "| taken for dead | early | doubled |")
-    print("| --- " * 15 + "|")
+          "| taken for dead | early | doubled | cut: settled by worker / by recovery |")
+    print("| --- " * 16 + "|")
     failed = False
     for mode in args.modes.split(","):
         for broker in args.brokers.split(","):
@@ -180,7 +192,8 @@ def main() -> int:
                       f"| {ms(r['calm'], .5)} / {ms(r['calm'], .99)} | {r['acked']} | {r['lost']} "
                       f"| {r['unsure']} | {r['reran']} | {r['vanished']} | {r['taken_for_dead']} "
                       f"| {r['early']} "
-                      f"| {r['doubled']} |", flush=True)
+                      f"| {r['doubled']} | {r['cut_settled']} / {r['cut_recovered']} |",
+                      flush=True)
                 failed |= bool(r["early"] or r["doubled"] or (mode == "sync" and r["lost"]))
     return 1 if failed else 0
 

@@ -17,16 +17,17 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from duebox import dlq
 from duebox.clock import wait_until
-from duebox.db import SQLITE_DEFERRED, db_errors
+from duebox.db import NOTIFY_CHANNEL, SQLITE_DEFERRED, db_errors
 from duebox.errors import DatabaseError, LeaseLostError, ValidationError
 from duebox.failures import (
     FailureClass,
     HandlerAbortError,
+    SystemFailure,
     Verdict,
     bounded_traceback,
     error_line,
@@ -42,6 +43,7 @@ from duebox.tasks import JobContext, JobControl, Task
 
 from .dedupe import SQLDedupeStore
 from .handler_session import HandlerSession
+from .settling import unreachable, until_written
 
 if TYPE_CHECKING:
     from duebox.app import Duebox
@@ -89,6 +91,15 @@ class _Duplicate(Exception):
         self.outcome = outcome
 
 
+class _Cut(Exception):
+    """Raised out of an async handler's transaction: a lost connection cut
+    it (``error``: what the handler raised)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _BadResult(Exception):
     """Raised inside an async handler's transaction to roll it back: its
     return value cannot be kept (duebox.reads.results)."""
@@ -109,6 +120,9 @@ class RunStatus(StrEnum):
     CANCELLED = "cancelled"  # seen before it ran (a job held ahead of its due time)
     RELEASED = "released"  # the worker is stopping: given back, never started
     HANDED_BACK = "handed_back"  # every thread ran a long handler: given back, for others
+    # Its own transaction was cut (the database connection lost: a failover),
+    # nothing of it committed: back to SCHEDULED at once, its attempt lost.
+    INTERRUPTED = "interrupted"
 
 
 @dataclass
@@ -145,6 +159,13 @@ class Execution:
         self.lease = task.lease_seconds or app.settings.lease_seconds
         self.cancelled = False
         self._lock = threading.Lock()
+        # Whether duebox's own statements after an async handler (its
+        # completion) are under way: a lost connection there cut the job's
+        # transaction, not the handler (_cut).
+        self.completing = False
+        # When the lease runs out (time.monotonic()), as last renewed: how
+        # long a write that found no server is tried again (settling.py).
+        self.held_until = time.monotonic() + self.lease
 
     # --- JobControl ------------------------------------------------------------
 
@@ -157,6 +178,8 @@ class Execution:
             ok = conn.execute(jobstore.heartbeat_stmt(self.rec, now, until)).rowcount == 1
         if not ok:
             self.cancelled = True
+        else:
+            self.held_until = time.monotonic() + self.lease
         return ok
 
     def checkpoint(self, state: Any) -> bool:
@@ -223,6 +246,8 @@ class Execution:
                     self.cancelled = True
         except _Duplicate:
             return await self.pools.db(self._close_duplicate)
+        except _Cut as cut:
+            return await self.pools.db(self.settle_cut, cut.error)
         except _BadResult as bad:  # its transaction was rolled back on the way out
             return await self.pools.db(self.settle, Verdict(FailureClass.PERMANENT),
                                        error_line(bad.error), bad.error)
@@ -231,6 +256,10 @@ class Execution:
                         self.rec.id)
             return Outcome(RunStatus.LEASE_LOST)
         except Exception as exc:
+            # Before the handler ran, or in duebox's own statements after
+            # it, a lost connection cut the job's transaction, not the handler.
+            if self._cut(exc, self.began is None or self.completing):
+                return await self.pools.db(self.settle_cut, exc)
             verdict = self.task.classifier.classify(exc)
             return await self.pools.db(self.settle, verdict, error_line(exc), exc)
 
@@ -267,6 +296,7 @@ class Execution:
         transaction back and record the failure.  Also how a handler a batch
         let go finishes (consumers/batch.py): its session then has a
         transaction of its own, or none yet."""
+        own = False  # the error is of duebox's own statements, not the handler's
         if error is None:
             try:
                 kept = self._kept(value)
@@ -289,13 +319,17 @@ class Execution:
                 session.commit()
                 return outcome
             except Exception as exc:
-                error = exc
+                error, own = exc, True
+        # Asked before the rollback, which lets the connection go.
+        cut = self._cut(error, own, session)
         with contextlib.suppress(Exception):  # a lost connection has nothing to roll back
             session.rollback()
         if isinstance(error, LeaseLostError):
             log.warning("job %s: lease lost before completion; its writes were rolled back",
                         self.rec.id)
             return Outcome(RunStatus.LEASE_LOST)
+        if cut:
+            return self.settle_cut(error)
         verdict = self.task.classifier.classify(error)
         return self.settle(verdict, error_line(error), error)
 
@@ -309,6 +343,11 @@ class Execution:
             try:
                 value = await self.task.fn(self.rec.payload, self.context(session))
             except BaseException as exc:
+                # Asked before the rollback on the way out, which lets the
+                # connection go.
+                if isinstance(exc, Exception) and unreachable(exc) and await session.run_sync(
+                        lambda _: rules.connection_lost()):
+                    raise _Cut(exc) from exc
                 # SystemExit & co. from the handler's own code fail the attempt;
                 # a cancellation (the task's timeout) is the loop's.
                 if isinstance(exc, Exception | asyncio.CancelledError):
@@ -322,6 +361,7 @@ class Execution:
             except ValidationError as exc:
                 raise _BadResult(exc) from exc
             steps = self._finish_steps(kept)
+            self.completing = True
             try:
                 stmt, params = next(steps)
                 while True:
@@ -354,10 +394,38 @@ class Execution:
         return Outcome(RunStatus.DUPLICATE)
 
     def settle(self, verdict: Verdict, error: str, exc: BaseException | None = None) -> Outcome:
-        """Record the failed attempt and move the job on: retry later, or DEAD."""
-        with db_errors("record failure"), self.app.engine.begin() as conn:
-            return record_failure(conn, self.task, self.rec, verdict, error,
-                                  self.app.clock.now(), exc)
+        """Record the failed attempt and move the job on: retry later, or DEAD
+        — tried again while no server takes writes and the lease holds
+        (consumers/settling.py)."""
+        def write() -> Outcome:
+            with db_errors("record failure"), self.app.engine.begin() as conn:
+                return record_failure(conn, self.task, self.rec, verdict, error,
+                                      self.app.clock.now(), exc)
+        return until_written(write, lambda: self.held_until)
+
+    def settle_cut(self, exc: BaseException) -> Outcome:
+        """The job's own transaction was cut by a lost connection: settle it
+        as soon as a server takes writes (see :func:`record_cut`), while the
+        lease holds; after that it is recovery's."""
+        # The first line: a statement's error goes on with its SQL.
+        error = f"the job's transaction was cut: {error_line(exc).splitlines()[0]}"[:1000]
+
+        def write() -> Outcome:
+            with db_errors("settle an interrupted job"), self.app.engine.begin() as conn:
+                return record_cut(conn, self.task, self.rec, error, self.app.clock.now())
+        return until_written(write, lambda: self.held_until)
+
+    @staticmethod
+    def _cut(exc: BaseException, own: bool, session: HandlerSession | None = None) -> bool:
+        """Whether ``exc`` means the job's own transaction was lost with its
+        connection: the database out of reach, and either duebox's own
+        statements failed (``own``) or the handler's ``session`` (asked
+        before its rollback) lost its connection.  A handler that failed by
+        itself — its session intact, whatever else it reached — is not cut:
+        its failure is classified."""
+        if not unreachable(exc):
+            return False
+        return own or (session is not None and session.connection_lost())
 
     async def _beat(self) -> None:
         """Renew the lease now and every third of it (started a third of the
@@ -492,6 +560,38 @@ def job_context(rec: jobstore.JobRecord, session: Any, worker: str,
         session=session, worker=worker, lease_generation=rec.lease_generation,
         checkpoint_state=rec.checkpoint, control=control,
     )
+
+
+def record_cut(conn: Connection, task: Task, rec: jobstore.JobRecord, error: str,
+               now: datetime) -> Outcome:
+    """In ``conn``'s transaction: settle a job whose own transaction a lost
+    connection cut (consumers/settling.py), fenced by its lease.  Still
+    RUNNING under it: nothing of that transaction committed — the job goes
+    back to SCHEDULED, due as it was, to run again at once, or DEAD if its
+    attempts are used up, as recovery would put it once the lease ran out
+    (its attempt closed ``lost``); on PostgreSQL a NOTIFY wakes the relays
+    and ``sql://`` workers.  Not: the row says what happened — this attempt
+    succeeded (the commit was in flight and went through), or the lease
+    moved on — and nothing is written."""
+    dead = rec.attempt >= rec.max_attempts
+    if conn.execute(jobstore.interrupted_stmt(rec, now, error, dead=dead)).rowcount != 1:
+        if jobstore.attempt_outcome(conn, rec) == "succeeded":
+            log.info("job %s: its commit had gone through before the connection was lost",
+                     rec.id)
+            return Outcome(RunStatus.SUCCEEDED)
+        log.warning("job %s: its transaction was cut, and the lease moved on meanwhile", rec.id)
+        return Outcome(RunStatus.LEASE_LOST)
+    conn.execute(jobstore.finish_attempt_stmt(rec, now, "lost", SystemFailure.LOST, error))
+    if not dead and conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_notify(NOTIFY_CHANNEL, "")))
+    shown = masked_text(task, rec.payload, error)
+    if dead:
+        log.warning("job %s dead after attempt %d (lost): %s", rec.id, rec.attempt, shown,
+                    extra=job_fields(rec))
+        return Outcome(RunStatus.DEAD)
+    log.warning("job %s attempt %d: %s; it runs again now", rec.id, rec.attempt, shown,
+                extra=job_fields(rec))
+    return Outcome(RunStatus.INTERRUPTED)
 
 
 def record_failure(conn: Connection, task: Task, rec: jobstore.JobRecord, verdict: Verdict,

@@ -26,10 +26,12 @@ import enum
 import threading
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session, SessionTransaction
 
 from duebox.failures import HandlerSessionError
+
+from .settling import unreachable
 
 _RULE = ("a handler must not end the transaction duebox runs it in: its writes commit "
          "together with the job's completion (docs/worker.md, 'Handlers and ctx.session')")
@@ -114,10 +116,18 @@ class HandlerSession(Session):
         self.handler_runs = False
         # What the handler did against the rules (None: nothing).
         self.broke_rule: str | None = None
+        # The connection its transaction runs on, once it has one, and
+        # whether the handler sent a statement through the session: together
+        # they say whether the job's own transaction was lost with its
+        # connection (see connection_lost).
+        self.own_connection: Connection | None = None
+        self.handler_asked = False
 
     # --- where statements go -----------------------------------------------------
 
     def get_bind(self, mapper: Any = None, **kw: Any) -> Engine | Connection:
+        if self.handler_runs:
+            self.handler_asked = True
         if self.gate is not None:
             return self.gate.bind()
         return super().get_bind(mapper, **kw)
@@ -169,15 +179,46 @@ class HandlerSession(Session):
         if conn is not None and conn.invalidated:
             raise HandlerSessionError(f"ctx.session's connection was invalidated: {_RULE}")
 
+    def connection_lost(self) -> bool:
+        """Whether the job's own transaction is gone with its connection:
+        the handler's statements through the session never got one, or the
+        one they ran on no longer answers.  Then nothing of the handler's
+        writes can commit, whatever the handler raised.  Asked only when
+        the handler raised an error saying the database is out of reach:
+        it may have come from anything else the handler reaches."""
+        conn = self.own_connection
+        if conn is None:
+            return self.handler_asked
+        if conn.invalidated:
+            return True
+        # Not every driver's disconnect invalidates the connection (psycopg's
+        # AdminShutdown, the server killed): ask it.  A transaction the
+        # handler's own error aborted still answers, with that.
+        try:
+            conn.exec_driver_sql("SELECT 1")
+        except Exception as exc:
+            return unreachable(exc)
+        return False
+
     def release(self, keep: bool) -> None:
         """A batched handler is done: keep its writes (release its
         savepoint) or undo them (roll back to it), and let the session go
         for the next handler.  Nothing to do if it never used the session."""
         self.handler_runs = False
         self.broke_rule = None  # the next handler's slate is clean
+        self.own_connection, self.handler_asked = None, False
         if self.get_transaction() is not None:
             if keep:
                 super().commit()
             else:
                 super().rollback()
         super().close()
+
+
+@event.listens_for(HandlerSession, "after_begin")
+def _own_connection(session: HandlerSession, _transaction: SessionTransaction,
+                    connection: Connection) -> None:
+    """The connection the session's transaction got (the first: a savepoint
+    runs on the same one)."""
+    if session.own_connection is None:
+        session.own_connection = connection

@@ -39,7 +39,7 @@ from duebox.clock import Clock, follows_real_time
 from duebox.credentials import redacted
 from duebox.db import db_errors
 from duebox.errors import ConfigurationError, DatabaseError, DueboxError, ValidationError
-from duebox.failures import FailureClass, Verdict
+from duebox.failures import FailureClass, SystemFailure, Verdict
 from duebox.ids import process_token
 from duebox.leases import dispatch_marks, jobstore
 from duebox.message import JobMessage, check_stored_payload
@@ -57,6 +57,7 @@ from .dedupe import SQLDedupeStore
 from .execution import Execution, Outcome, Pools, RunStatus, still_leased, warm_up
 from .job_lines import JobLines
 from .runner import Runner, Settled
+from .settling import until_answered
 from .starts import Starts
 from .turns import Turn, Turns
 
@@ -99,6 +100,9 @@ class WorkerStats:
     throttled: int = 0  # failures classed as throttled (the relay slows down on them)
     # Jobs given to other workers: every thread here ran a long handler.
     handed_back: int = 0
+    # Jobs whose own transaction a lost connection cut (a failover): settled
+    # once a server answered, to run again at once (consumers/settling.py).
+    interrupted: int = 0
     discarded: Counter[str] = field(default_factory=Counter)
 
 
@@ -372,7 +376,11 @@ class Worker:
             # ahead, to cover the hand-over) is started now, version-checked
             # and leased, and its handler held below: the round trip is done
             # by the due time instead of after it.
-            rec, reason = await self.starts.start(msg, max(0.0, ahead))
+            # A failover (a batch of the lane lost with it, or the start
+            # itself cut): started once a server takes writes again, not
+            # handed back to the broker for _RETRY_DELIVERY_SECONDS.
+            rec, reason = await until_answered(
+                lambda: self.starts.start(msg, max(0.0, ahead)), _RETRY_DELIVERY_SECONDS)
             if rec is None:
                 if reason is Discard.NOT_DUE:
                     checked = await self._early(delivery, msg)
@@ -567,6 +575,8 @@ class Worker:
             st.duplicates += 1
         elif outcome.status is RunStatus.LEASE_LOST:
             st.lease_lost += 1
+        elif outcome.status is RunStatus.INTERRUPTED:
+            st.interrupted += 1
         else:
             st.failed += 1
             st.throttled += outcome.failure_class == FailureClass.THROTTLED
@@ -582,6 +592,7 @@ class Worker:
                 "concurrency": self.concurrency, "received": st.received,
                 "succeeded": st.succeeded, "failed": st.failed, "dead": st.dead,
                 "throttled": st.throttled, "lease_lost": st.lease_lost,
+                "interrupted": st.interrupted,
                 "laned": st.laned, **self._lane_info(), **self.broker.registry_info()}
 
     def _lane_info(self) -> dict[str, Any]:
@@ -627,7 +638,9 @@ class Worker:
         elif outcome.status is RunStatus.LEASE_LOST:
             m.lease_lost.labels(b, q).inc()
         else:
-            cls = str(outcome.failure_class or "unknown")
+            # No failure class: the attempt was lost, not failed by its handler.
+            cls = str(outcome.failure_class or (SystemFailure.LOST if outcome.status in (
+                RunStatus.INTERRUPTED, RunStatus.DEAD) else "unknown"))
             m.failed.labels(b, q, cls).inc()
             if outcome.status is RunStatus.RETRIED:
                 m.retried.labels(b, q).inc()

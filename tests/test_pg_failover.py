@@ -20,6 +20,11 @@ duebox is restarted.
   nothing (a powered-off host: every new connection to it waits for its
   connect timeout), no live process is taken for dead — the relay waits
   ``liveness.AFTER_SERVER_CHANGE`` once it sees the server changed.
+* **Jobs mid-transaction at the kill** (their effect written, not yet
+  committed): nothing of them committed; their workers settle them once
+  the new primary takes writes, and they run again at once — well within
+  their lease, after which recovery would have taken them back — once
+  each, none early.
 * **Asynchronous replication**: with the standby's WAL stream stopped
   (the primary's WAL sender paused), jobs scheduled meanwhile are lost with
   the primary (the RPO: docs/scale.md, "PostgreSQL failover"); what the
@@ -28,6 +33,7 @@ duebox is restarted.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 import uuid
@@ -43,6 +49,7 @@ from failover_scenario import (
     Producer,
     all_succeeded,
     answering,
+    effect_runs,
     effects_count,
     job_states,
     prepare,
@@ -124,13 +131,19 @@ def broker_url(kind: str, request: pytest.FixtureRequest) -> str:
     return keys.url()
 
 
+def synchronous_pair(kind: str, pairs: Callable[[bool], PgPair], request: pytest.FixtureRequest
+                     ) -> tuple[PgPair, str, duebox.Duebox]:
+    """A synchronous pair, the broker of ``kind`` and the tests' app on them."""
+    pair = pairs(True)
+    broker = broker_url(kind, request)
+    return pair, broker, prepare(pair, broker)
+
+
 @pytest.mark.parametrize("kind", ["sql", "redis"])
 def test_synchronous_failover_loses_nothing_and_the_same_processes_carry_on(
     kind: str, pairs: Callable[[bool], PgPair], procs: Procs, request: pytest.FixtureRequest
 ) -> None:
-    pair = pairs(True)
-    broker = broker_url(kind, request)
-    app = prepare(pair, broker)
+    pair, broker, app = synchronous_pair(kind, pairs, request)
     try:
         # The processes get libpq's host list; the test's own engine
         # SQLAlchemy's query form: both must reach the new primary.
@@ -164,6 +177,61 @@ def test_synchronous_failover_loses_nothing_and_the_same_processes_carry_on(
              timeout=30, check=procs.check)
         procs.check()  # nobody exited: nothing was restarted
     finally:
+        app.dispose()
+
+
+# Long enough that "at once" and "a lease later" cannot be confused on a
+# loaded machine: recovery could take the cut jobs back only this long after
+# they started.
+HELD_LEASE = 20.0
+
+
+@pytest.mark.parametrize("kind", ["sql", "redis"])
+def test_jobs_whose_transaction_the_failover_cut_run_again_at_once_not_a_lease_later(
+    kind: str, pairs: Callable[[bool], PgPair], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    pair, broker, app = synchronous_pair(kind, pairs, request)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    procs = Procs(tmp_path, LAUNCHER, env={**os.environ, "DUEBOX_TEST_LEASE": f"{HELD_LEASE:g}"})
+    try:
+        start_processes(app, procs, pair.multi_host_url(comma=True), broker, ["w1", "w2"])
+        # Six jobs for the workers' eight threads, each alone in its
+        # transaction under a lease: three waiting in it until the primary
+        # is dead (their completion meets the lost connection), three
+        # querying through ctx.session (the handler meets it).
+        with app.engine.begin() as conn:
+            held = [app.schedule(conn, "held_effect",
+                                 {"marks": str(marks), "hold": 15.0, "probe": n % 2 == 0})
+                    for n in range(6)]
+        poll("every held job to be inside its transaction",
+             lambda: len(list(marks.iterdir())) == len(held), timeout=30, check=procs.check)
+        killed_us = time.time_ns() // 1000
+        pair.kill_primary()
+        (marks / "killed").touch()
+        pair.promote()
+        poll("the cut jobs to run again and succeed",
+             answering(lambda: all_succeeded(app.engine, held)), timeout=HELD_LEASE / 2,
+             check=procs.check)
+        check_once_and_never_early(app, held)
+        # Each ran twice: a first attempt the worker itself settled as cut
+        # (recovery's words would be "lease expired"), then one that
+        # succeeded, started well within the first's lease.
+        with app.engine.connect() as conn:
+            attempts = conn.execute(
+                sa.select(attempt.c.job_id, attempt.c.number, attempt.c.outcome, attempt.c.error)
+                .where(attempt.c.job_id.in_(held)).order_by(attempt.c.number)).all()
+        for job_id in held:
+            mine = [(a.number, a.outcome) for a in attempts if a.job_id == job_id]
+            assert mine == [(1, "lost"), (2, "succeeded")], (job_id, mine)
+        errors = [a.error for a in attempts if a.outcome == "lost"]
+        assert all(e.startswith("the job's transaction was cut") for e in errors), errors
+        runs = effect_runs(app.engine)
+        late = {i: (runs[str(i)][1] - killed_us) / 1e6 for i in held}
+        assert max(late.values()) < HELD_LEASE / 2, late
+        assert takeovers(procs) == 0, procs.log("r1")
+    finally:
+        procs.stop_all()
         app.dispose()
 
 

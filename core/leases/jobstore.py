@@ -37,6 +37,7 @@ from sqlalchemy.sql import Select, Update
 
 from ..db import NOTIFY_CHANNEL
 from ..errors import LeaseLostError
+from ..failures import SystemFailure
 from ..message import JobMessage
 from ..states import LEASED_STATES, STARTABLE_STATES, Discard, JobState, LeaseVerdict
 from ..tables import attempt, job
@@ -409,6 +410,28 @@ def dead_stmt(rec: JobRecord, now: datetime, error_class: str, error: str) -> Up
     )
 
 
+def interrupted_stmt(rec: JobRecord, now: datetime, error: str, *, dead: bool) -> Update:
+    """A started job whose own transaction was cut (its connection lost:
+    nothing of it committed), settled by its worker as recovery settles a
+    lease that ran out (core/leases/recovery.py), only sooner: back to SCHEDULED
+    as it was — due time and version unchanged, so it runs again at once —
+    or DEAD if its attempts are used up (``dead``), error class ``lost``.
+    Fenced: a job whose commit went through after all, or that moved on,
+    matches nothing."""
+    values: dict[str, Any] = ({"state": JobState.DEAD, "finished_at": now} if dead
+                              else {"state": JobState.SCHEDULED})
+    return update(job).where(_fenced(rec)).values(
+        error_class=SystemFailure.LOST, last_error=error, lease_owner=None, lease_until=None,
+        updated_at=now, **values)
+
+
+def attempt_outcome(conn: Connection, rec: JobRecord) -> str | None:
+    """How this record's attempt ended, as its row says (None: still open,
+    or no such attempt)."""
+    return conn.execute(select(attempt.c.outcome).where(attempt.c.id == rec.attempt_id)
+                        ).scalar_one_or_none()
+
+
 def heartbeat_stmt(rec: JobRecord, now: datetime, lease_until: datetime) -> Update:
     return update(job).where(_fenced(rec)).values(lease_until=lease_until, updated_at=now)
 
@@ -426,6 +449,7 @@ def counts_by_state(conn: Connection) -> dict[str, int]:
 __all__ = [
     "LEASED_STATES",
     "JobRecord",
+    "attempt_outcome",
     "check_early",
     "checkpoint_stmt",
     "complete_after_claim",
@@ -437,6 +461,7 @@ __all__ = [
     "finish_attempt_stmt",
     "give_back",
     "heartbeat_stmt",
+    "interrupted_stmt",
     "lease_states",
     "lock_leased",
     "renew_leases",

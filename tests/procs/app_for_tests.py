@@ -9,13 +9,19 @@ id), so the test can count committed effects exactly.  SIGTERM stops the
 process cleanly; the tests SIGKILL it to simulate a crash.
 
 Settings are short on purpose: a 2 s lease and small batches, so a kill lands
-in the middle of claimed, published and running work.
+in the middle of claimed, published and running work.  ``DUEBOX_TEST_LEASE``
+sets another lease (seconds).
+
+A second task, ``held_effect``, writes the same row and then, on its first
+attempt, holds its transaction open: a kill of the database lands inside it
+(tests/test_pg_failover.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,12 +31,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import effect_values, effects
+from sqlalchemy import text
 
 import duebox
 from duebox.consumers import Worker
 from duebox.relay import Relay
 
-LEASE_SECONDS = 2.0
+LEASE_SECONDS = float(os.environ.get("DUEBOX_TEST_LEASE", "2.0"))
 
 
 def build_app(database_url: str, broker_url: str) -> duebox.Duebox:
@@ -44,6 +51,30 @@ def build_app(database_url: str, broker_url: str) -> duebox.Duebox:
     def proc_effect(payload: Any, ctx: duebox.JobContext) -> None:
         ctx.session.execute(effects.insert().values(effect_values(ctx)))
         time.sleep(0.004)  # a little work, so a kill can land inside a transaction
+
+    # Alone in its transaction (no group commit, no batch lane): a job the
+    # usual path started, under a lease.
+    @app.task("held_effect", max_attempts=5, group_commit=False)
+    def held_effect(payload: Any, ctx: duebox.JobContext) -> None:
+        """The effect, then on the first attempt a file named after the job
+        in ``payload["marks"]`` (the effect is written, uncommitted), and the
+        transaction held open for at most ``payload["hold"]`` seconds: with
+        ``payload["probe"]``, querying through ``ctx.session`` until a query
+        fails (the handler itself meets the lost connection, and raises);
+        without, asleep until the file ``killed`` appears there (the
+        completion after it meets the lost connection)."""
+        ctx.session.execute(effects.insert().values(effect_values(ctx)))
+        if ctx.attempt != 1:
+            return
+        marks = Path(payload["marks"])
+        (marks / str(ctx.job_id)).touch()
+        end = time.monotonic() + payload["hold"]
+        while time.monotonic() < end:
+            if payload["probe"]:
+                ctx.session.execute(text("SELECT 1"))
+            elif (marks / "killed").exists():
+                return
+            time.sleep(0.02)
 
     return app
 

@@ -1,4 +1,4 @@
-"""duebox.observability.causes and duebox.trouble: what a driver's or a broker's exception
+"""duebox.observability.causes and .trouble: what a driver's or a broker's exception
 says (out of reach, or refusing for good), one line per cause per interval
 across every logger, and a refusal taken as final only after its grace.
 The commands that end on it, and a real PostgreSQL cut, are
