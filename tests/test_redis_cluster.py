@@ -8,12 +8,20 @@ queue's primary) and the crash scenario (tests/test_recovery.py):
 * a failover whose new primary lacks what its predecessor had acknowledged
   (Redis replicates asynchronously): the relay that watched the shards sees
   the new primary, reconciles at once and publishes the job again from the
-  outbox; it runs once, never early.
+  outbox; it runs once, never early;
+* a worker killed with its shard's primary: the relay, which cannot hand on
+  the messages the worker had read while the shard fails over, asks again
+  until the new primary answers; the job runs within seconds of the
+  failover, not after ``claim_idle`` (issue #35).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +39,7 @@ from helpers import (
 )
 
 import duebox
+from duebox.tables import lease
 
 pytestmark = [pytest.mark.postgres, pytest.mark.backend_redis]
 
@@ -103,3 +112,90 @@ async def test_a_write_the_failover_lost_is_published_again_from_the_outbox(
                      what="the republished job to run")
     assert app.calls.count(job_id) == 1  # type: ignore[attr-defined]
     check_no_early_start(app.engine)
+
+
+# Holds ``NAME``'s liveness lock on DATABASE_URL until killed: the process
+# whose death the relay finds (core/processes/liveness.py).
+HOLDER = """
+import sys, time
+from sqlalchemy import create_engine
+from duebox.processes.liveness import SessionLock
+lock = SessionLock(create_engine(sys.argv[1]), sys.argv[2])
+print("held" if lock.acquire() else "not held", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_lock(database_url: str, name: str) -> subprocess.Popen[bytes]:
+    """A process holding ``name``'s liveness lock (once this returns)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, database_url, name],
+                            stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    said = proc.stdout.readline().strip()
+    proc.stdout.close()
+    if said != b"held":
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError(f"the lock holder said {said!r}")
+    return proc
+
+
+async def test_a_dead_workers_messages_are_handed_on_once_a_slow_failover_ends(
+        pg_server_url: str, redis_cluster_nodes: Any, redis_cluster_keys: Keys,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The worker dies with the primary of its queue's shard, holding a
+    message it read and never started (no lease brings that job back).  The
+    relay's first hand-on meets the failing shard and fails; the failover
+    ends only then (the replica is kept from taking over until the test
+    says so).  The relay asks again, and the job runs within seconds —
+    before the fix it waited for ``claim_idle`` (600 s here, 30 s by default)."""
+    from conftest import reset_tables
+
+    cluster, keys = redis_cluster_nodes, redis_cluster_keys
+    reset_tables(pg_server_url)
+    app = make_app(pg_server_url, keys.url(claim_idle=600))
+    ready, group, dead = keys.k("ready"), "duebox", "dead-w"
+    holder = None
+    primary = cluster.primary_of(ready)
+    replica = cluster.replica_of(primary)
+    try:
+        job_id = schedule_committed(app)
+        async with Running(app, relays=1, workers=0) as r:
+            await r.wait(lambda: job_row(app.engine, job_id).state == "ENQUEUED"
+                         and keys.stream_len() == 1, timeout=20,
+                         what="the job published onto the stream")
+            # The dead worker: it read the message (as its XREADGROUP does)
+            # and held its liveness lock, registered as a worker does.
+            with contextlib.suppress(Exception):  # BUSYGROUP: made already
+                keys.client.xgroup_create(ready, group, id="0", mkstream=True)
+            assert keys.client.xreadgroup(group, dead, {ready: ">"}, count=10)
+            assert keys.pending() == 1
+            holder = await asyncio.to_thread(hold_lock, pg_server_url, dead)
+            with app.engine.begin() as conn:
+                conn.execute(lease.insert().values(
+                    name=f"worker:{dead}", owner=f"worker:{dead}", epoch=0,
+                    info={"name": dead, "liveness": True, "queues": ["default"]},
+                    expires_at=app.clock.now()))
+            replica.cli("config", "set", "cluster-replica-no-failover", "yes")
+            with caplog.at_level(logging.WARNING, logger="duebox.broker"):
+                cluster.kill(primary)
+                holder.kill()
+                holder.wait(10)
+                await r.wait(lambda: any("could not hand on worker dead-w" in m
+                                         for m in caplog.messages), timeout=30,
+                             what="the relay's hand-on to fail on the failing shard")
+            assert replica.cli("cluster", "failover", "takeover").strip() == "OK"
+            await asyncio.to_thread(cluster.wait_failover, primary, ready)
+            async with Running(app, relays=0, workers=1) as w:
+                await w.wait(lambda: job_row(app.engine, job_id).state == "SUCCEEDED",
+                             timeout=15, what="the dead worker's message to run its job")
+        assert app.calls.count(job_id) == 1  # type: ignore[attr-defined]
+        check_no_early_start(app.engine)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(10)
+        replica.cli("config", "set", "cluster-replica-no-failover", "no")
+        if not primary.alive():
+            await asyncio.to_thread(cluster.restart, primary)
+        app.dispose()
