@@ -148,7 +148,8 @@ async def test_a_dead_workers_messages_are_handed_on_once_a_slow_failover_ends(
     relay's first hand-on meets the failing shard and fails; the failover
     ends only then (the replica is kept from taking over until the test
     says so).  The relay asks again, and the job runs within seconds —
-    before the fix it waited for ``claim_idle`` (600 s here, 30 s by default)."""
+    before the fix it waited for ``claim_idle`` (600 s here, 30 s by
+    default)."""
     from conftest import reset_tables
 
     cluster, keys = redis_cluster_nodes, redis_cluster_keys
@@ -188,7 +189,7 @@ async def test_a_dead_workers_messages_are_handed_on_once_a_slow_failover_ends(
             await asyncio.to_thread(cluster.wait_failover, primary, ready)
             async with Running(app, relays=0, workers=1) as w:
                 await w.wait(lambda: job_row(app.engine, job_id).state == "SUCCEEDED",
-                             timeout=15, what="the dead worker's message to run its job")
+                             timeout=25, what="the dead worker's message to run its job")
         assert app.calls.count(job_id) == 1  # type: ignore[attr-defined]
         check_no_early_start(app.engine)
     finally:
