@@ -12,7 +12,10 @@ queue's primary) and the crash scenario (tests/test_recovery.py):
 * a worker killed with its shard's primary: the relay, which cannot hand on
   the messages the worker had read while the shard fails over, asks again
   until the new primary answers; the job runs within seconds of the
-  failover, not after ``claim_idle`` (issue #35).
+  failover, not after ``claim_idle`` (issue #35);
+* a worker's defer (a hold, a hand-back, a busy row) that meets the
+  failover is tried again: the message is parked once the replica serves,
+  not left pending until ``claim_idle``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import contextlib
 import logging
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -36,6 +41,7 @@ from helpers import (
     job_row,
     make_app,
     schedule_committed,
+    wait_for,
 )
 
 import duebox
@@ -196,6 +202,46 @@ async def test_a_dead_workers_messages_are_handed_on_once_a_slow_failover_ends(
         if holder is not None:
             holder.kill()
             holder.wait(10)
+        replica.cli("config", "set", "cluster-replica-no-failover", "no")
+        if not primary.alive():
+            await asyncio.to_thread(cluster.restart, primary)
+        app.dispose()
+
+
+async def test_a_defer_that_meets_a_failover_is_done_once_the_replica_serves(
+        redis_cluster_nodes: Any, redis_cluster_keys: Keys) -> None:
+    """A worker parks a message again just as its queue's primary dies, and
+    the failover outlasts redis-py's retries (the replica is kept from
+    taking over until the defer has failed): the defer is tried again and
+    the message is parked once the replica serves — before the fix it
+    stayed pending until ``claim_idle`` (600 s here, 30 s by default)."""
+    from duebox.brokers.base import BrokerContext, Outgoing
+    from duebox.brokers.redis import RedisBroker
+    from duebox.message import JobMessage
+
+    cluster, keys = redis_cluster_nodes, redis_cluster_keys
+    app = make_app("sqlite://")
+    broker = RedisBroker(keys.url(claim_idle=600),
+                         BrokerContext(app.engine, app.clock, app.settings, "w"))
+    ready = keys.k("ready")
+    primary = cluster.primary_of(ready)
+    replica = cluster.replica_of(primary)
+    try:
+        msg = JobMessage(uuid.uuid4(), "effect", "default", 1, 0, datetime.now(UTC))
+        await broker.publish([Outgoing(msg, 0.0)])
+        deliveries = broker.consume(["default"], 10)
+        delivery = await anext(deliveries)
+        await deliveries.aclose()
+        assert keys.pending() == 1
+        replica.cli("config", "set", "cluster-replica-no-failover", "yes")
+        cluster.kill(primary)
+        assert await broker.defer(delivery, 0.0)  # failed: the shard is down
+        assert replica.cli("cluster", "failover", "takeover").strip() == "OK"
+        await asyncio.to_thread(cluster.wait_failover, primary, ready)
+        await wait_for(lambda: keys.score(msg.job_id) is not None and keys.pending() == 0,
+                       timeout=15, what="the defer to be done on the new primary")
+    finally:
+        await broker.close()
         replica.cli("config", "set", "cluster-replica-no-failover", "no")
         if not primary.alive():
             await asyncio.to_thread(cluster.restart, primary)
