@@ -51,10 +51,12 @@ class HandedOn:
     failed: tuple[Broker, ...] = ()
 
 
-async def hand_on(brokers: Sequence[Broker], worker: str, info: Mapping[str, Any]) -> HandedOn:
+async def hand_on(brokers: Sequence[Broker], worker: str, info: Mapping[str, Any], *,
+                  quiet: bool = False) -> HandedOn:
     """:meth:`Broker.take_over` on each route's broker.  One that is down or
-    slow is logged and reported in ``failed``; the others still hand on
-    theirs (the relay tries the failed ones again, relay/recovering.py)."""
+    slow is logged (at DEBUG if ``quiet``: a try again) and reported in
+    ``failed``; the others still hand on theirs (the relay tries the failed
+    ones again, relay/recovering.py)."""
     handed = 0
     failed: list[Broker] = []
     for b in brokers:
@@ -62,8 +64,9 @@ async def hand_on(brokers: Sequence[Broker], worker: str, info: Mapping[str, Any
             handed += await asyncio.wait_for(b.take_over(worker, info), _TAKE_OVER_SECONDS)
         except Exception as exc:  # down or slow: tried again later, else its redelivery
             failed.append(b)
-            log.warning("route %s could not hand on worker %s's messages (%s: %s)",
-                        b.capabilities.name, worker, type(exc).__name__, exc)
+            log.log(logging.DEBUG if quiet else logging.WARNING,
+                    "route %s could not hand on worker %s's messages (%s: %s)",
+                    b.capabilities.name, worker, type(exc).__name__, exc)
     return HandedOn(handed, tuple(failed))
 
 

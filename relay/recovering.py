@@ -78,10 +78,13 @@ class LeaseRecovery:
 
     def wait(self) -> float:
         """Seconds until the next recovery: every ``interval``, and as soon
-        as a process suspected dead can be confirmed so."""
-        wait = self.interval - (time.monotonic() - self._last)
+        as a process suspected dead can be confirmed so, or a hand-on that
+        failed is to be tried again."""
+        now = time.monotonic()
+        waits = [self.interval - (now - self._last),
+                 *(retry.at - now for retry in self._retries.values())]
         confirm = self.takeover.watch.next_look()
-        return wait if confirm is None else min(wait, confirm)
+        return min(waits) if confirm is None else min(*waits, confirm)
 
     async def step(self, working_since: datetime | None = None) -> list[recovery.Recovered]:
         """Recover expired leases, then take over dead processes' jobs.
@@ -140,7 +143,8 @@ class LeaseRecovery:
         for name, retry in list(self._retries.items()):
             if time.monotonic() < retry.at:
                 continue
-            result = await hand_on(retry.brokers, name, retry.info)
+            # Quiet: the first failure was said, and the end is.
+            result = await hand_on(retry.brokers, name, retry.info, quiet=True)
             now = time.monotonic()
             if not result.failed:
                 del self._retries[name]
