@@ -9,7 +9,10 @@ SIGKILLed 2 s into the due window.  Per run it prints the start lateness
 measured from ``max(due, kill)``: p50 / p99 / max over every job, and max over
 the jobs the killed processes held; then, per backend, the same over all
 runs pooled.  The invariants (nothing lost, doubled, early, cancelled-but-ran)
-are checked and printed; a run that breaks one exits 1.
+are checked and printed; a run that breaks one exits 1.  A run whose latest
+start came more than 10 s late also says which job it was, which workers
+called its handler and whether the dead held it (a job a killed worker had
+in hand shows that worker among the callers).
 
 ``--db``: ``sqlite``, ``postgres`` or ``mariadb`` (a fresh database per run).
 LocalStack (SQS) and a Kafka must be listening where DUEBOX_TEST_SQS_ENDPOINT

@@ -154,6 +154,8 @@ class RedisBroker(PublishingBroker):
         self._acks: dict[str, Batched[tuple[str, str], None]] = {}
         # Deliveries a stopping worker gives back (release), on their way.
         self._releasing: set[asyncio.Task[bool]] = set()
+        # Defers that failed, tried again (_defer_again).
+        self._deferring: set[asyncio.Task[None]] = set()
         self._log = CollapsedLog(log)
         # A cluster's reads: one per queue in flight (brokers/redis_reads.py).
         self._each = EachQueue(self.settings.group, self.consumer,
@@ -229,6 +231,11 @@ class RedisBroker(PublishingBroker):
     async def close(self) -> None:
         if self._releasing:
             await asyncio.wait(set(self._releasing))
+        # Still failing: their entries stay pending, taken over after claim_idle.
+        for task in self._deferring:
+            task.cancel()
+        if self._deferring:
+            await asyncio.wait(set(self._deferring), timeout=2.0)
         for acks in self._acks.values():  # those still lingering go out first
             await acks.flush()
         client, self._client = self._client, None
@@ -662,8 +669,9 @@ class RedisBroker(PublishingBroker):
 
     async def defer(self, delivery: Delivery, seconds: float) -> bool:
         """Park the message again for ``seconds`` (XACK + XDEL + ZADD,
-        atomically).  If that fails the entry stays pending and is taken over
-        after ``claim_idle``: Redis's own bounded retry."""
+        atomically).  If that fails it is tried again in the background
+        (:meth:`_defer_again`); failing still, the entry stays pending and
+        is taken over after ``claim_idle``: Redis's own bounded retry."""
         msg = delivery.message
         if msg is None:
             await self.ack(delivery)
@@ -674,10 +682,38 @@ class RedisBroker(PublishingBroker):
         k, entry, job = settled
         now_ms = self.context.clock.now().timestamp() * 1000.0
         score = math.ceil(now_ms + max(0.0, seconds) * 1000.0)
+        keys = [k.due, k.msg, k.ready, k.held]
+        args = [self.settings.group, entry, job or str(msg.job_id), msg.version, score,
+                msg.encode(), k.wake]
         try:
-            await self._run("defer", [k.due, k.msg, k.ready, k.held],
-                            [self.settings.group, entry, job or str(msg.job_id), msg.version,
-                             score, msg.encode(), k.wake])
+            await self._run("defer", keys, args)
         except FAILED as exc:
-            self._log.warning("defer", "%s: defer of %s failed: %s", self._where(), entry, exc)
+            self._log.warning("defer", "%s: defer of %s failed: %s; trying again", self._where(),
+                              entry, exc)
+            task = asyncio.get_running_loop().create_task(self._defer_again(entry, keys, args))
+            self._deferring.add(task)
+            task.add_done_callback(self._deferring.discard)
         return True
+
+    async def _defer_again(self, entry: str, keys: list[str], args: list[Any]) -> None:
+        """A defer that failed, tried again until Redis takes it: on a
+        cluster its shard may be failing over, and the entry left pending
+        waited ``claim_idle`` and a reclaim period (30-45 s) after a failover
+        of seconds.  For half of ``claim_idle`` at most: after that the
+        entry may be another consumer's (``XAUTOCLAIM``), and stays pending."""
+        until = time.monotonic() + self.settings.claim_idle / 2
+        backoff = 0.1
+        while time.monotonic() < until:
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._backoff_cap())
+            try:
+                await self._run("defer", keys, args)
+            except FAILED as exc:
+                reraise_lost_cancel()
+                if isinstance(exc, ResponseError) and not passing(exc):
+                    break
+                continue
+            log.info("%s: defer of %s done after all", self._where(), entry)
+            return
+        self._log.warning("defer-again", "%s: defer of %s still failing; the entry stays "
+                          "pending until claim_idle", self._where(), entry)

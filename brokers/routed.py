@@ -20,6 +20,7 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -41,19 +42,32 @@ _ROUTE = "duebox-route"
 _TAKE_OVER_SECONDS = 10.0
 
 
-async def hand_on(brokers: Sequence[Broker], worker: str, info: Mapping[str, Any]) -> int:
-    """:meth:`Broker.take_over` on each route's broker: how many messages of
-    the dead ``worker`` they handed on.  One that is down or slow is logged
-    and left to its own redelivery; the others still hand on theirs."""
+@dataclass(frozen=True)
+class HandedOn:
+    """What :func:`hand_on` did: messages handed on, and the brokers that
+    could not (down, failing over, slow) — their share is still pending."""
+
+    handed: int = 0
+    failed: tuple[Broker, ...] = ()
+
+
+async def hand_on(brokers: Sequence[Broker], worker: str, info: Mapping[str, Any], *,
+                  quiet: bool = False) -> HandedOn:
+    """:meth:`Broker.take_over` on each route's broker.  One that is down or
+    slow is logged (at DEBUG if ``quiet``: a try again) and reported in
+    ``failed``; the others still hand on theirs (the relay tries the failed
+    ones again, relay/recovering.py)."""
     handed = 0
+    failed: list[Broker] = []
     for b in brokers:
         try:
             handed += await asyncio.wait_for(b.take_over(worker, info), _TAKE_OVER_SECONDS)
-        except Exception as exc:  # down or slow: its redelivery covers them
-            log.warning("route %s could not hand on worker %s's messages (%s: %s); its "
-                        "own redelivery will", b.capabilities.name, worker,
-                        type(exc).__name__, exc)
-    return handed
+        except Exception as exc:  # down or slow: tried again later, else its redelivery
+            failed.append(b)
+            log.log(logging.DEBUG if quiet else logging.WARNING,
+                    "route %s could not hand on worker %s's messages (%s: %s)",
+                    b.capabilities.name, worker, type(exc).__name__, exc)
+    return HandedOn(handed, tuple(failed))
 
 
 def _combined(brokers: Sequence[Broker]) -> Capabilities:
@@ -204,7 +218,8 @@ class RoutedBroker(Broker):
         return sum([await b.cancel(job_ids) for b, _ in self.parts])
 
     async def take_over(self, worker: str, info: Mapping[str, Any]) -> int:
-        return await hand_on([b for b, _ in self.parts], worker, info)
+        # A part that failed is logged; its own redelivery covers it.
+        return (await hand_on([b for b, _ in self.parts], worker, info)).handed
 
     def registry_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {}
@@ -216,4 +231,4 @@ class RoutedBroker(Broker):
         return self.broker_for(job.queue).locate(job, now)
 
 
-__all__ = ["RoutedBroker", "hand_on"]
+__all__ = ["HandedOn", "RoutedBroker", "hand_on"]

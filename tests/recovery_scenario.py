@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -367,6 +368,22 @@ def wait_finished(engine: sa.Engine, ids: list[uuid.UUID], wait: float,
     return []
 
 
+# A start later than this after max(due, kill) (seconds: past the promise
+# of ~5 s after a death or a failover's end) has its story printed.
+LATE_STORY = 10.0
+
+
+def _story(job_id: uuid.UUID, late: float, row: Any, external: Path,
+           held: set[uuid.UUID]) -> str:
+    """Which job started last and who had called its handler: a job a
+    killed worker had in hand shows that worker among the callers."""
+    calls = ([line.split()[1] for line in external.read_text().splitlines()
+              if line.startswith(str(job_id))] if external.exists() else [])
+    return (f"[latest: job {job_id}, {late:.2f} s, attempt {row.attempt} on {row.worker}; "
+            f"handler called by {', '.join(calls) or 'nobody else'}; "
+            f"{'held' if job_id in held else 'not held'} by the dead at the kill]")
+
+
 def _workers_ran(engine: sa.Engine, workers: list[str]) -> bool:
     with engine.connect() as conn:
         ran = set(conn.execute(sa.select(effects.c.worker).distinct()).scalars())
@@ -410,6 +427,7 @@ def _measure(engine: sa.Engine, backend: str, ids: list[uuid.UUID], wanted: list
     rows = effect_rows(engine)
     kill_us = int(kill_at.timestamp() * 1_000_000)
     lateness, lateness_held, early = [], [], 0
+    latest: tuple[float, uuid.UUID] | None = None
     for job_id in wanted:
         e = rows.get(str(job_id))
         if e is None:
@@ -419,8 +437,11 @@ def _measure(engine: sa.Engine, backend: str, ids: list[uuid.UUID], wanted: list
         early += e.started_us < due_us
         late = (e.started_us - max(due_us, kill_us)) / 1e6
         lateness.append(late)
+        latest = max(latest or (late, job_id), (late, job_id))
         if job_id in held:
             lateness_held.append(late)
+    if latest is not None and latest[0] > LATE_STORY:
+        notes.append(_story(latest[1], latest[0], rows[str(latest[1])], external, held))
     double = sum(1 for n in n_effects.values() if n > 1)
     double += sum(1 for _, n in succeeded_attempts if n > 1)
     lines = external.read_text().splitlines() if external.exists() else []

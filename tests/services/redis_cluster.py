@@ -192,6 +192,21 @@ class LocalCluster:
                     return next(n for n in self.nodes if n.port == port)
         raise LookupError(f"no primary serves {key!r} in {view.address}'s view")
 
+    def replica_of(self, primary: Node, timeout: float = 30) -> Node:
+        """The live replica of ``primary`` (each primary has one here), as
+        the replica itself says (``ROLE``): just after ``--cluster create``
+        the others may not have heard of it yet."""
+        def replica() -> Node | None:
+            for node in self.live():
+                with contextlib.suppress(subprocess.SubprocessError):
+                    role = node.cli("role").split()
+                    if role[:1] == ["slave"] and role[2:3] == [str(primary.port)] \
+                            and role[3:4] == ["connected"]:
+                        return node
+            return None
+
+        return poll(f"a replica of {primary.address}", replica, timeout)
+
     def wait_failover(self, dead: Node, key: str, timeout: float = 60) -> Node:
         """Wait until a replica serves ``key`` in place of the dead primary
         and every live node agrees; returns the new primary."""
