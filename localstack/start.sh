@@ -38,7 +38,14 @@ pick_python() {
 install() {
     local stamp="$VENV/.requirements.sha256" want
     want="$(sha256sum "$HERE/requirements.txt" | cut -d' ' -f1)"
+    # Several starts at once (each test worker starts a LocalStack of its
+    # own) share one virtual environment: one builds it, the others wait for
+    # it here and find it made.  Without the lock they removed each other's.
+    mkdir -p "$(dirname "$VENV")"
+    exec 9>"$VENV.lock"
+    flock 9
     if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+        flock -u 9
         return
     fi
     local py; py="$(pick_python)"
@@ -47,6 +54,7 @@ install() {
     "$py" -m venv "$VENV"
     "$VENV/bin/pip" install -q --disable-pip-version-check -r "$HERE/requirements.txt"
     echo "$want" > "$stamp"
+    flock -u 9
 }
 
 healthy() {
