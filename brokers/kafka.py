@@ -157,6 +157,7 @@ class KafkaBroker(PublishingBroker):
         self._idempotent = self.settings.idempotence != "false"
         self._topics: set[str] = set()
         self._probe: Any = None
+        self._probe_lock = asyncio.Lock()
         self.losses = LossWatch(self.settings, self._where(), self._probe_consumer)
         self._look_again: float | None = None  # when to look once more after a loss
         self._topic_names: dict[str, str] = {}
@@ -374,16 +375,22 @@ class KafkaBroker(PublishingBroker):
         return round_.results()
 
     async def _probe_consumer(self) -> Any:
-        if self._probe is None:
-            c = AIOKafkaConsumer(**self.settings.client_options(self.client_id + "-probe"),
-                                 enable_auto_commit=False, group_id=None)
-            try:
-                await c.start()
-            except (KafkaError, OSError) as exc:
-                await _stop_quietly(c)
-                raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
-            self._probe = c
-        return self._probe
+        # One at a time: two first looks at once (the loss check and a
+        # partition's reach) each made one, and the one overwritten was
+        # never stopped.
+        async with self._probe_lock:
+            if self._probe is None:
+                c = AIOKafkaConsumer(**self.settings.client_options(self.client_id + "-probe"),
+                                     enable_auto_commit=False, group_id=None)
+                try:
+                    await c.start()
+                except BaseException as exc:  # a cancellation too: stopped, not left open
+                    await _stop_quietly(c)
+                    if isinstance(exc, KafkaError | OSError):
+                        raise BrokerError(f"{self._where()} is not reachable: {exc}") from exc
+                    raise
+                self._probe = c
+            return self._probe
 
     async def data_lost(self) -> bool:
         first = self.losses.first_check

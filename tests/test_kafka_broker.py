@@ -196,6 +196,22 @@ async def test_offsets_commit_only_up_to_the_oldest_unfinished() -> None:
 # --- against the broker: the backend itself ---------------------------------------------
 
 
+async def test_first_looks_at_once_share_one_probe_and_close_stops_it(
+        names: KafkaNames) -> None:
+    """The loss check and a partition's reach can look at once: each made a
+    probe consumer, and the one overwritten was never stopped (an
+    'Unclosed AIOKafkaConsumer' warning, at whatever test the collector ran
+    in)."""
+    broker = KafkaBroker(names.url(), context())
+    try:
+        first, second = await asyncio.gather(broker._probe_consumer(),
+                                             broker._probe_consumer())
+        assert first is second
+    finally:
+        await broker.close()
+    assert first._closed
+
+
 async def test_publish_headers_key_and_limits(names: KafkaNames) -> None:
     url = names.url(max_message_size=4096)
     b = broker_class(url)(url, context("pub"))
