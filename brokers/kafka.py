@@ -103,10 +103,6 @@ async def _stop_quietly(client: Any) -> None:
         log.debug("aiokafka client stop failed: %r", exc)
 
 
-# After a loss, how long until the relay looks again for what a publish on
-# the old producer had under way (acknowledged, then marked, after the reset).
-_LOOK_AGAIN = 2.0
-
 class _ProducerIdRefused(Exception):
     """The broker answered an idempotent producer's InitProducerId with an
     error: it is reachable but gives this client no producer id."""
@@ -158,8 +154,9 @@ class KafkaBroker(PublishingBroker):
         self._topics: set[str] = set()
         self._probe: Any = None
         self._probe_lock = asyncio.Lock()
-        self.losses = LossWatch(self.settings, self._where(), self._probe_consumer)
-        self._look_again: float | None = None  # when to look once more after a loss
+        # A noticed loss starts the producer over (kafka_reconcile.py).
+        self.losses = LossWatch(self.settings, self._where(), self._probe_consumer,
+                                self._reset_producer)
         self._topic_names: dict[str, str] = {}
         self._freed = asyncio.Event()
         self._in_flight = 0
@@ -393,29 +390,7 @@ class KafkaBroker(PublishingBroker):
             return self._probe
 
     async def data_lost(self) -> bool:
-        first = self.losses.first_check
-        lost = await self.losses.data_lost()
-        if lost and not first:
-            # The cluster lost what it held (restarted empty, the topic
-            # deleted): the producer's metadata describes topics that may no
-            # longer exist.  A server that acknowledges a produce to a topic
-            # it does not have (tansu's memory engine does) would swallow
-            # every message sent with it; a fresh producer looks the topics
-            # up, and creates them, before the next send.
-            await self._reset_producer()
-            self.losses.suspect_before(time.time())
-            self._look_again = time.monotonic() + _LOOK_AGAIN
-            return True
-        if self._look_again is not None and time.monotonic() >= self._look_again:
-            # A publish under way on the old producer while it was reset can
-            # be acknowledged into nowhere and marked published after the
-            # first look: once its mark has landed, look again.  What the
-            # new producer sent in between goes out twice; the worker drops
-            # the copy.
-            self._look_again = None
-            self.losses.suspect_before(time.time())
-            return True
-        return lost
+        return await self.losses.data_lost()
 
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         return await self.losses.missing(jobs)

@@ -45,19 +45,27 @@ log = logging.getLogger("duebox.brokers.kafka")
 _HOLDS_WAIT = 1.0
 
 
+# After a loss, how long until the relay looks again for what a publish on
+# the old producer had under way (acknowledged, then marked, after the reset).
+LOOK_AGAIN = 2.0
+
 class LossWatch:
     """``probe``: the broker's group-less consumer, started on first use."""
 
     def __init__(self, settings: KafkaSettings, where: str,
-                 probe: Callable[[], Awaitable[Any]]) -> None:
+                 probe: Callable[[], Awaitable[Any]],
+                 start_over: Callable[[], Awaitable[None]]) -> None:
         self.settings = settings
         self.where = where
         self._probe = probe
+        self._start_over = start_over  # the producer, after a loss
         self.produced: dict[Any, int] = {}  # partition -> highest offset produced + 1
-        self.first_check = True
+        self._first_check = True
         # Epoch seconds: after a loss, every message published before it is
         # suspect (missing()), whatever the topic seems to hold.
         self._suspect_before = -float("inf")
+        # When to look once more after a loss (time.monotonic()), or None.
+        self._look_again: float | None = None
         self._last_check = time.monotonic()
         self._oldest: dict[str, tuple[float, float]] = {}  # topic -> (checked at, oldest ts)
         # The probe is assigned and seeked by one look at a time.
@@ -67,9 +75,18 @@ class LossWatch:
         """True once on first use (a relay that starts after an outage
         checks), then when a partition's end offset fell below what this
         process produced to it (the topic was deleted or wiped); looked at
-        every ``check_interval`` seconds."""
-        if self.first_check:
-            self.first_check = False
+        every ``check_interval`` seconds; and once more
+        :data:`LOOK_AGAIN` seconds after a loss.  A publish under way on the
+        old producer while it was started over can be acknowledged into
+        nowhere and marked published after the first look: that look counts
+        it as published before the loss.  What the new producer sent in
+        between goes out twice; the worker drops the copy."""
+        if self._first_check:
+            self._first_check = False
+            return True
+        if self._look_again is not None and time.monotonic() >= self._look_again:
+            self._look_again = None
+            self._suspect_before = time.time()
             return True
         if not self.produced or time.monotonic() - self._last_check < \
                 self.settings.check_interval:
@@ -82,6 +99,7 @@ class LossWatch:
             log.debug("%s: could not read end offsets (%s)", self.where, exc)
             if "UnknownTopicOrPartition" in repr(exc) or "not found" in str(exc):
                 self.produced.clear()
+                await self._noticed()
                 return True
             return False
         short = {tp: self.produced[tp] - 1 for tp, end in ends.items()
@@ -93,7 +111,23 @@ class LossWatch:
                         "republishing what they lost", self.where, lost)
             self.produced.clear()
             self._oldest.clear()
+            await self._noticed()
         return bool(lost)
+
+    async def _noticed(self) -> None:
+        """The cluster lost what it held (restarted empty, the topic
+        deleted).  The producer's metadata describes topics that may no
+        longer exist, and a server that acknowledges a produce to a topic it
+        does not have (tansu's memory engine does) would swallow every
+        message sent with it: the producer starts over, to look the topics
+        up and create them before its next send.  What was published before
+        is suspect from now on (:meth:`missing`), even where the topic holds
+        newer messages or cannot be read: publishing such a job again costs
+        a duplicate message, which the worker drops; keeping it costs the
+        job."""
+        await self._start_over()
+        self._suspect_before = time.time()
+        self._look_again = time.monotonic() + LOOK_AGAIN
 
     async def reaching(self, wanted: Mapping[Any, int]) -> set[Any]:
         """The partitions of ``wanted`` (partition -> offset) that still
@@ -128,20 +162,11 @@ class LossWatch:
                 log.debug("%s: could not fetch %s (%s)", self.where, dict(wanted), exc)
         return reached
 
-    def suspect_before(self, at: float) -> None:
-        """A loss was noticed at ``at`` (epoch seconds) and the producer
-        started over: what was published before it may be gone even where
-        the topic holds newer messages, or cannot be read (tansu, restarted
-        empty, acknowledged sends to a topic it no longer had and serves
-        none of them).  Publishing such a job again costs a duplicate
-        message, which the worker drops; keeping it costs the job."""
-        self._suspect_before = max(self._suspect_before, at)
-
     async def missing(self, jobs: Sequence[EnqueuedRef]) -> list[uuid.UUID]:
         """Jobs published before the oldest message their topic still holds
         (all of them when it holds none): deleted, wiped or expired unread;
         and after a loss, every job published before it was noticed
-        (:meth:`suspect_before`)."""
+        (:meth:`_noticed`)."""
         gone: list[uuid.UUID] = []
         by_queue: dict[str, list[EnqueuedRef]] = {}
         for ref in jobs:
