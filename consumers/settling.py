@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from duebox.errors import DatabaseError
@@ -53,16 +53,15 @@ def until_written(write: Callable[[], T], held_until: Callable[[], float]) -> T:
     the database is out of reach and ``held_until()`` (``time.monotonic()``
     seconds: when the job's lease runs out, as last renewed) is ahead.
     Any other error, and the last one, is raised."""
-    wait = FIRST_WAIT
+    pauses = _pauses(held_until)
     while True:
         try:
             return write()
         except DatabaseError as exc:
-            left = held_until() - time.monotonic()
-            if left <= 0 or not unreachable(exc):
+            pause = next(pauses, None)
+            if pause is None or not unreachable(exc):
                 raise
-            time.sleep(min(left, wait * random.uniform(0.8, 1.0)))
-            wait = min(MOST_WAIT, wait * 2)
+            time.sleep(pause)
 
 
 async def until_answered(call: Callable[[], Awaitable[T]], within: float) -> T:
@@ -70,17 +69,25 @@ async def until_answered(call: Callable[[], Awaitable[T]], within: float) -> T:
     out of reach, for at most ``within`` seconds: a delivery's start, which
     the worker otherwise hands back to its broker for a while (a failover
     would then cost each delivery in hand that while, not the outage)."""
-    wait = FIRST_WAIT
     give_up = time.monotonic() + within
+    pauses = _pauses(lambda: give_up)
     while True:
         try:
             return await call()
         except DatabaseError as exc:
-            left = give_up - time.monotonic()
-            if left <= 0 or not unreachable(exc):
+            pause = next(pauses, None)
+            if pause is None or not unreachable(exc):
                 raise
-            await asyncio.sleep(min(left, wait * random.uniform(0.8, 1.0)))
-            wait = min(MOST_WAIT, wait * 2)
+            await asyncio.sleep(pause)
+
+
+def _pauses(until: Callable[[], float]) -> Iterator[float]:
+    """The waits between tries: from FIRST_WAIT, doubled up to MOST_WAIT,
+    jittered, while ``until()`` (``time.monotonic()`` seconds) is ahead."""
+    wait = FIRST_WAIT
+    while (left := until() - time.monotonic()) > 0:
+        yield min(left, wait * random.uniform(0.8, 1.0))
+        wait = min(MOST_WAIT, wait * 2)
 
 
 __all__ = ["FIRST_WAIT", "MOST_WAIT", "unreachable", "until_answered", "until_written"]
