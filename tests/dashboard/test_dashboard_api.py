@@ -75,6 +75,28 @@ def test_every_page_has_its_data_as_json(seeded: Seeded, serve: Serve) -> None:
     assert "shard:0-511" in [lease["name"] for lease in procs["leases"]]
 
 
+def test_a_schedules_operator_actions_are_served_as_audited_and_escaped(
+        seeded: Seeded, serve: Serve) -> None:
+    """The pause and resume rows an operator's change wrote (the read side's
+    typed ScheduleAction): in the JSON as stored, on the page escaped."""
+    s = seeded
+    reason = '<script>alert("x")</script> & a reason, Ünïcode, ' + " ".join(["long"] * 100)
+    with s.app.engine.begin() as conn:
+        assert s.app.schedules.pause(conn, s.schedule_id, operator="ops@example", reason=reason)
+    with s.app.engine.begin() as conn:
+        s.app.schedules.resume(conn, s.schedule_id, operator="ops@example", reason="back")
+    c = serve(s.app)
+    actions = _ok(c, f"/api/schedules/{s.schedule_id}")["operator_actions"]
+    assert [(a["action"], a["operator"], a["reason"]) for a in actions] == [
+        ("schedule_resume", "ops@example", "back"),
+        ("schedule_pause", "ops@example", reason)]
+    assert all(a["details"]["schedule_id"] == str(s.schedule_id) and a["at"] for a in actions)
+    page = c.get(f"/schedules/{s.schedule_id}")
+    assert page.status == 200
+    assert "<script>alert" not in page.text
+    assert "&lt;script&gt;alert" in page.text
+
+
 def test_pages_of_jobs_follow_the_cursor(seeded: Seeded, serve: Serve) -> None:
     c = serve(seeded.app)
     seen: list[str] = []
